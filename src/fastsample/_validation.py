@@ -1,0 +1,113 @@
+"""Argument checks that run before any work, and the opt-in value check.
+
+Two kinds of bad input, two policies (see README, "Bad input"):
+
+* Wrong arguments (type, rank, dtype, device, ranges of Python arguments) are the
+  caller's bug: they raise ``TypeError``/``ValueError`` here, before any kernel runs,
+  and the message names the argument, what was expected and what was given.
+* Bad *values* inside a tensor (NaN, inf, negative weights, an all-zero row) are data:
+  the samplers flag them per row in ``valid`` without syncing the host. Only when the
+  caller asks for ``check=True`` does :func:`check_probs_values` read them on the host
+  and raise, naming the first bad row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+METHODS = ("auto", "race", "inverse_cdf")
+
+
+def check_probs_tensor(probs: object, name: str = "probs") -> Tensor:
+    """Raise unless ``probs`` is a floating ``(B, V)`` tensor with ``V >= 1``."""
+    if not isinstance(probs, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of shape (batch, vocab), got {type(probs).__name__}"
+        )
+    if probs.dim() != 2:
+        raise ValueError(
+            f"{name} must have shape (batch, vocab), got {probs.dim()} dimensions "
+            f"{tuple(probs.shape)}; use {name}.view(-1, {name}.shape[-1]) to flatten "
+            "leading dimensions, or [None] to add a batch dimension"
+        )
+    if probs.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {probs.dtype}; "
+            f"convert with {name}.float()"
+        )
+    if probs.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one vocabulary entry, got shape "
+                         f"{tuple(probs.shape)}")
+    return probs
+
+
+def check_num_samples(num_samples: object, vocab: int) -> int:
+    """Raise unless ``1 <= num_samples <= vocab`` (draws are without replacement)."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int):
+        raise TypeError(f"num_samples must be a Python int, got {type(num_samples).__name__}")
+    if not 1 <= num_samples <= vocab:
+        raise ValueError(
+            f"num_samples must be between 1 and the vocabulary size {vocab} (draws are "
+            f"without replacement), got {num_samples}"
+        )
+    return num_samples
+
+
+def check_generator(generator: object, device: torch.device) -> None:
+    """Raise unless ``generator`` is None or a ``torch.Generator`` on ``device``'s type."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+    if generator.device.type != device.type:
+        raise ValueError(
+            f"generator is on {generator.device.type} but probs is on {device.type}; "
+            f"create it with torch.Generator(device='{device.type}')"
+        )
+
+
+def check_method(method: object) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
+    return method  # type: ignore[return-value]
+
+
+def check_flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return value
+
+
+def check_probs_values(probs: Tensor, name: str = "probs") -> None:
+    """Host-side value check for ``check=True``: raise naming the first bad row.
+
+    This reads per-row flags back to the host, so it syncs; it is never on the default path.
+    """
+    if probs.shape[0] == 0:
+        return
+    has_nan = torch.isnan(probs).any(-1)
+    has_inf = torch.isinf(probs).any(-1)
+    has_negative = (probs < 0).any(-1)
+    total = probs.sum(-1, dtype=torch.float64)
+    no_mass = ~(total > 0)
+    reasons = (
+        (has_nan, "contains NaN"),
+        (has_inf, "contains +-inf"),
+        (has_negative, "contains negative weights"),
+        (no_mass, "has zero total weight (no token can be drawn)"),
+    )
+    bad = torch.stack([flag for flag, _ in reasons], dim=1).cpu()
+    bad_rows = bad.any(1)
+    if bool(bad_rows.any()):
+        row = int(bad_rows.to(torch.uint8).argmax())
+        why = [text for (_, text), flag in zip(reasons, bad[row].tolist()) if flag]
+        count = int(bad_rows.sum())
+        raise ValueError(
+            f"{name} row {row} {' and '.join(why)} ({count} bad row(s) in all); weights must "
+            "be finite and non-negative with a positive sum. Without check=True such rows "
+            "are reported as valid=False instead of raising."
+        )
