@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .noise import UniformSource
 
-BLOCK = 1024
+BLOCK = 256
 """Entries per block. Vocabulary shards that start on a multiple of BLOCK see the same
 blocks as the full vocabulary (the vocab-parallel sampler relies on this)."""
 
@@ -54,12 +54,6 @@ def block_sums(probs: Tensor) -> Tensor:
     return torch.cat(parts, dim=1).to(torch.float64)
 
 
-def _last_positive(values: Tensor) -> Tensor:
-    """Index of the last positive entry along dim 1 (0 when there is none)."""
-    positions = torch.arange(values.shape[1], device=values.device)
-    return torch.where(values > 0, positions, 0).amax(-1)
-
-
 def inverse_cdf_draw(
     probs: Tensor, num_samples: int, source: UniformSource, sums: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -75,52 +69,54 @@ def inverse_cdf_draw(
         ``token_ids (B, n) int64``, ``genuine (B, n) bool`` (as in
         :func:`fastsample.race.race_draw`: later slots of a row that ran out of positive
         weights repeat its last genuine draw) and ``total (B,) float64``, the row's weight.
+        Rows with NaN, inf or negative weights get arbitrary in-range ids (the caller
+        replaces them); every index below is clamped, so no value can push one out of range.
     """
     batch, vocab = probs.shape
     device = probs.device
     if sums is None:
         sums = block_sums(probs)
-    # Rows whose sums are not finite positive numbers are invalid and get replaced by the
-    # caller; give them harmless sums so their arithmetic stays in range.
+    num_blocks = sums.shape[1]
     total = sums.sum(-1)
-    usable = torch.isfinite(total) & (total > 0)
-    sums = torch.where(usable[:, None], sums, 1.0)
-
     uniforms = source.row_uniforms(num_samples)
-    offsets = torch.arange(BLOCK, device=device)
-    zero = torch.zeros((batch, 1), dtype=torch.float64, device=device)
+    width = min(BLOCK, vocab)  # a vocabulary shorter than a block is one short block
+    offsets = torch.arange(width, device=device)
+    floor = torch.zeros((), dtype=torch.float64, device=device)
     token_ids: list[Tensor] = []
     genuine: list[Tensor] = []
     for k in range(num_samples):
         prefix = sums.cumsum(-1)
-        remaining = prefix[:, -1]
-        target = uniforms[:, k] * remaining
-        block = torch.minimum((prefix <= target[:, None]).sum(-1), _last_positive(sums))
-        before = torch.cat([zero, prefix[:, :-1]], dim=1).gather(1, block[:, None])[:, 0]
-        block_sum = sums.gather(1, block[:, None])[:, 0]
-        fraction = torch.where(block_sum > 0, (target - before) / block_sum, 0.0)
+        remaining = prefix[:, -1:]
+        # Keep the target strictly below the remaining mass: then the first prefix above
+        # it ends a block with positive mass, even when u * remaining rounds up.
+        target = torch.minimum(uniforms[:, k : k + 1] * remaining, remaining.nextafter(floor))
+        block = (prefix <= target).sum(-1, keepdim=True).clamp_max_(num_blocks - 1)
+        block_sum = sums.gather(1, block)
+        fraction = ((target - (prefix.gather(1, block) - block_sum)) / block_sum).clamp_(0, 1)
 
-        columns = block[:, None] * BLOCK + offsets
-        values = probs.gather(1, columns.clamp(max=vocab - 1)).to(torch.float64)
-        values = torch.where(columns < vocab, values, 0.0)
+        columns = block * BLOCK + offsets
+        values = probs.gather(1, columns.clamp_max(vocab - 1)).to(torch.float64)
+        if vocab > BLOCK and vocab % BLOCK:  # a short last block: drop clamped duplicates
+            values = values * (columns < vocab)
         if token_ids:
-            drawn = torch.stack(token_ids, dim=1)
-            already = (columns[:, :, None] == drawn[:, None, :]).any(-1)
-            values = torch.where(already, 0.0, values)
+            drawn = torch.cat(token_ids, dim=1)
+            values = values * (columns[:, :, None] != drawn[:, None, :]).all(-1)
         within = values.cumsum(-1)
-        inner_target = fraction * within[:, -1]
-        inner = torch.minimum((within <= inner_target[:, None]).sum(-1), _last_positive(values))
+        block_total = within[:, -1:]
+        # Same strictness inside the block: the first prefix above the target belongs to a
+        # positive weight, so zero weights (and removed draws) are never chosen.
+        inner_target = torch.minimum(fraction * block_total, block_total.nextafter(floor))
+        inner = (within <= inner_target).sum(-1, keepdim=True).clamp_max_(width - 1)
 
         token = block * BLOCK + inner
         is_genuine = remaining > 0
-        if token_ids:  # a row that ran out repeats its previous draw
+        if token_ids:  # a row that ran out of positive weights repeats its previous draw
             token = torch.where(is_genuine, token, token_ids[-1])
         token_ids.append(token)
         genuine.append(is_genuine)
         if k + 1 < num_samples:
             # Remove the drawn entry: recompute its block's sum exactly from what is left,
             # so a block whose last positive entry was drawn becomes exactly 0.
-            left = torch.where(offsets == inner[:, None], 0.0, values).sum(-1)
-            left = torch.where(is_genuine, left, 0.0)
-            sums = sums.scatter(1, block[:, None], left[:, None])
-    return torch.stack(token_ids, dim=1), torch.stack(genuine, dim=1), total
+            left = values.scatter(1, inner, 0.0).sum(-1, keepdim=True)
+            sums = sums.scatter(1, block, left)
+    return torch.cat(token_ids, dim=1), torch.cat(genuine, dim=1), total
