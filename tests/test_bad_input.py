@@ -18,6 +18,7 @@ def clean_batch(batch=6, vocab=700, seed=0):
 
 # --- argument errors: raised before any work, naming the argument -------------------------
 
+
 @pytest.mark.parametrize(
     "probs,num_samples,kwargs,error,words",
     [
@@ -118,8 +119,9 @@ def test_fast_sample_bad_rows(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_more_draws_than_positive_weights(method):
     """Genuine draws first, then the last genuine draw repeated; never a zero weight."""
-    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0],
-                          [0.2, 0.2, 0.2, 0.2, 0.2]])
+    probs = torch.tensor(
+        [[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [0.2, 0.2, 0.2, 0.2, 0.2]]
+    )
     for seed in range(50):
         gen = torch.Generator().manual_seed(seed)
         out = fs.sample_from_probs(probs, 4, generator=gen, method=method)

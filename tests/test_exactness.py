@@ -13,6 +13,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
+
+import fastsample as fs
 from stattests import (
     assert_law,
     binned,
@@ -21,8 +23,6 @@ from stattests import (
     plackett_luce,
     poisson_bounds,
 )
-
-import fastsample as fs
 
 METHODS = ["inverse_cdf", "race"]
 # The race draws one uniform per entry (~15 ns each on CPU): cap its work per test.
@@ -122,7 +122,7 @@ def joint_counts(draw, row: torch.Tensor, n: int, total: int) -> tuple[np.ndarra
         codes = codes * vocab + ids[:, j]
     uniq, cnt = np.unique(codes, return_counts=True)
     counts = np.zeros(len(tuples))
-    for code, c in zip(uniq, cnt):
+    for code, c in zip(uniq, cnt, strict=True):
         tup = tuple(int(code // vocab ** (n - 1 - j) % vocab) for j in range(n))
         assert tup in index, f"drew a repeated token: {tup}"
         counts[index[tup]] += c
@@ -218,8 +218,11 @@ def test_tail_mass_inverse_cdf():
     assert not lo <= bad <= hi
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="race tail test needs ~1e11 "
-                    "uniforms: CUDA only (the CPU checks the noise resolution in test_noise)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="race tail test needs ~1e11 "
+    "uniforms: CUDA only (the CPU checks the noise resolution in test_noise)",
+)
 def test_tail_mass_race_cuda():
     gen = torch.Generator(device="cuda").manual_seed(99)
     row, tail_mass = tail_row()
@@ -240,6 +243,7 @@ def test_tail_mass_race_cuda():
 
 
 # --- zero-probability tokens --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("method", METHODS)
 def test_zero_probability_never_drawn(method):

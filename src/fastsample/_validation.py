@@ -38,8 +38,9 @@ def check_probs_tensor(probs: object, name: str = "probs") -> Tensor:
             f"convert with {name}.float()"
         )
     if probs.shape[1] < 1:
-        raise ValueError(f"{name} must have at least one vocabulary entry, got shape "
-                         f"{tuple(probs.shape)}")
+        raise ValueError(
+            f"{name} must have at least one vocabulary entry, got shape {tuple(probs.shape)}"
+        )
     return probs
 
 
@@ -104,7 +105,7 @@ def check_probs_values(probs: Tensor, name: str = "probs") -> None:
     bad_rows = bad.any(1)
     if bool(bad_rows.any()):
         row = int(bad_rows.to(torch.uint8).argmax())
-        why = [text for (_, text), flag in zip(reasons, bad[row].tolist()) if flag]
+        why = [text for (_, text), flag in zip(reasons, bad[row].tolist(), strict=True) if flag]
         count = int(bad_rows.sum())
         raise ValueError(
             f"{name} row {row} {' and '.join(why)} ({count} bad row(s) in all); weights must "

@@ -72,7 +72,7 @@ def inverse_cdf_draw(
         Rows with NaN, inf or negative weights get arbitrary in-range ids (the caller
         replaces them); every index below is clamped, so no value can push one out of range.
     """
-    batch, vocab = probs.shape
+    vocab = probs.shape[1]
     device = probs.device
     if sums is None:
         sums = block_sums(probs)

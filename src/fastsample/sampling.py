@@ -53,9 +53,7 @@ def choose_method(probs: Tensor, num_samples: int) -> str:
     return "inverse_cdf"
 
 
-def _draw(
-    probs: Tensor, num_samples: int, method: str, source: UniformSource
-) -> SampleOutput:
+def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -> SampleOutput:
     """Draw with ``method`` and apply the bad-row policy. Arguments already checked."""
     batch = probs.shape[0]
     smallest = probs.amin(-1)  # NaN propagates, so NaN rows fail `>= 0` below
