@@ -15,8 +15,9 @@ from torch import Tensor
 
 from . import _validation as v
 from .inverse_cdf import block_sums, inverse_cdf_draw
-from .noise import GeneratorSource, UniformSource
+from .noise import UniformSource
 from .race import race_draw
+from .seeds import make_source
 
 
 class SampleOutput(NamedTuple):
@@ -57,14 +58,12 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
     """Draw with ``method`` and apply the bad-row policy. Arguments already checked."""
     batch = probs.shape[0]
     smallest = probs.amin(-1)  # NaN propagates, so NaN rows fail `>= 0` below
+    sums = block_sums(probs)  # per-row fixed-shape reductions: batch-invariant, bitwise
     if method == "race":
-        acc = torch.float64 if probs.dtype == torch.float64 else torch.float32
-        total = probs.sum(-1, dtype=acc).to(torch.float64)
+        total = sums.sum(-1)
         token_ids, genuine = race_draw(probs, num_samples, source)
     else:
-        token_ids, genuine, total = inverse_cdf_draw(
-            probs, num_samples, source, sums=block_sums(probs)
-        )
+        token_ids, genuine, total = inverse_cdf_draw(probs, num_samples, source, sums=sums)
     clean = (smallest >= 0) & torch.isfinite(total) & (total > 0)
 
     out_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
@@ -80,6 +79,9 @@ def sample_from_probs(
     num_samples: int = 1,
     *,
     generator: torch.Generator | None = None,
+    seed: int | Tensor | None = None,
+    step: int | Tensor | None = None,
+    stream: int | Tensor = 0,
     method: str = "auto",
     check: bool = False,
 ) -> SampleOutput:
@@ -94,6 +96,11 @@ def sample_from_probs(
             to 1. Not modified.
         num_samples: ``n``, a Python int with ``1 <= n <= V``.
         generator: a ``torch.Generator`` on ``probs``' device, or None for the default one.
+        seed, step, stream: per-request counter-based randomness instead of ``generator``
+            (see :mod:`fastsample.seeds`): Python ints or ``(B,)`` int64 tensors on
+            ``probs``' device; row ``b``'s draw depends only on its own row of ``probs``
+            and ``(seed[b], step[b], stream[b])``, never on the rest of the batch.
+            ``step`` defaults to 0 and ``stream`` to ``Stream.SAMPLE`` (0).
         method: ``"inverse_cdf"`` (one read pass, one uniform per row per draw),
             ``"race"`` (exponential race, one uniform per entry) or ``"auto"`` (the faster
             for this device and shape; see :func:`choose_method`). Same law either way.
@@ -118,11 +125,11 @@ def sample_from_probs(
     num_samples = v.check_num_samples(num_samples, probs.shape[1])
     v.check_generator(generator, probs.device)
     method = v.check_method(method)
+    source = make_source(generator, seed, step, stream, probs.shape[0], probs.device)
     if v.check_flag(check, "check"):
         v.check_probs_values(probs)
     if method == "auto":
         method = choose_method(probs, num_samples)
-    source = GeneratorSource(generator, probs.shape[0], probs.device)
     return _draw(probs, num_samples, method, source)
 
 
@@ -131,6 +138,9 @@ def fast_sample(
     num_samples: int = 1,
     *,
     generator: torch.Generator | None = None,
+    seed: int | Tensor | None = None,
+    step: int | Tensor | None = None,
+    stream: int | Tensor = 0,
     check: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Drop-in for the speculative-decoding helper: ``(sample_p, sample_index)``.
@@ -145,6 +155,8 @@ def fast_sample(
             need not sum to 1.
         num_samples: ``n``, a Python int with ``1 <= n <= V``.
         generator: a ``torch.Generator`` on ``probs``' device, or None for the default one.
+        seed, step, stream: per-request counter-based randomness, as in
+            :func:`sample_from_probs`; the race's noise is keyed by vocabulary index.
         check: if True, raise ``ValueError`` naming the first bad row (syncs).
 
     Returns:
@@ -166,8 +178,8 @@ def fast_sample(
     v.check_probs_tensor(probs)
     num_samples = v.check_num_samples(num_samples, probs.shape[1])
     v.check_generator(generator, probs.device)
+    source = make_source(generator, seed, step, stream, probs.shape[0], probs.device)
     if v.check_flag(check, "check"):
         v.check_probs_values(probs)
-    source = GeneratorSource(generator, probs.shape[0], probs.device)
     token_ids = _draw(probs, num_samples, "race", source).token_ids
     return probs.gather(1, token_ids), token_ids

@@ -1,0 +1,189 @@
+"""Counter-based per-request randomness: same request, same token, whatever the batch.
+
+Every uniform is a pure function of ``(seed, step, stream, purpose, position)`` through
+Philox-4x32-10 (:mod:`fastsample.philox`), computed with device tensor ops:
+
+* key (2 x 32 bits) = the row's 64-bit ``seed``;
+* counter word 0 = ``position // 2`` (each Philox block yields two 53-bit uniforms),
+  word 1 = ``purpose << 24 | stream``, words 2-3 = the row's 64-bit ``step``.
+
+So row ``b``'s draws never depend on its index in the batch, the batch size or the other
+rows; different ``stream`` values (draft, target, acceptance, recovery, the i-th parallel
+sample of a request) and different purposes inside one sampler (per-entry race noise, per-draw
+uniforms) never share a counter, hence never share noise. The race keys its noise by the
+*global* vocabulary index, so a vocabulary shard can reproduce its part of the same race.
+
+Steps advance on the device (:func:`advance_step`), so a captured CUDA graph draws fresh
+numbers on every replay instead of replaying frozen generator state.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+from torch import Tensor
+
+from .noise import GeneratorSource
+from .philox import philox4x32, philox4x32_pairs
+
+_MASK32 = 0xFFFFFFFF
+_STREAM_LIMIT = 1 << 24
+# 2^-53: scale of a 53-bit integer to [0, 1).
+_INV_2_53 = 2.0**-53
+
+
+class Stream(IntEnum):
+    """Named streams: independent uses of randomness for one request never share noise.
+
+    ``SAMPLE + i`` (``0 <= i < 2**20``) is the stream of the i-th parallel sample of a
+    request (``n > 1`` sequences sharing a seed); the other names are for speculative
+    decoding. Any int in ``[0, 2**24)`` is a valid stream.
+    """
+
+    SAMPLE = 0
+    DRAFT = 1 << 20
+    TARGET = 2 << 20
+    ACCEPT = 3 << 20
+    RECOVERY = 4 << 20
+    BONUS = 5 << 20
+
+
+class Purpose(IntEnum):
+    """What a uniform is for inside one sampler call (the top byte of counter word 1)."""
+
+    ENTRY = 0  # one per vocabulary entry: the race's noise
+    DRAW = 1  # one per row per draw: the inverse CDF
+
+
+def advance_step(step: Tensor, by: int | Tensor = 1) -> Tensor:
+    """Advance per-request steps in place, on the device (no host round trip).
+
+    Call it inside a captured CUDA graph (or a compiled step) so every replay uses new
+    counters. Returns ``step`` for chaining.
+
+    Example:
+        >>> step = torch.zeros(3, dtype=torch.int64)
+        >>> advance_step(step).tolist()
+        [1, 1, 1]
+    """
+    return step.add_(by)
+
+
+class CounterSource:
+    """Uniforms keyed by ``(seed[b], step[b], stream[b], purpose, position)``.
+
+    Implements :class:`fastsample.noise.UniformSource`. ``seed``, ``step`` and ``stream``
+    are ``(B,)`` int64 tensors on the data's device (already checked and broadcast).
+    Philox-4x32-10 counter words: ``c0 = position // 2``, ``c1 = purpose << 24 | stream``,
+    ``c2 = step mod 2**32``, ``c3 = step >> 32``; key ``(seed mod 2**32, seed >> 32)``.
+    Position ``2p`` takes output words ``(x0, x3)``, position ``2p + 1`` ``(x2, x1)``:
+    ``x << 21 | y >> 11``, 53 bits, scaled to ``[0, 1)``.
+    """
+
+    # Up to this many Philox blocks per row, the few-block layout is faster (overhead-bound).
+    FEW_BLOCKS = 8
+
+    def __init__(self, seed: Tensor, step: Tensor, stream: Tensor):
+        seed, step = seed[:, None, None], step[:, None]
+        # Words that only enter XORs may carry garbage above bit 31 (see fastsample.philox).
+        self.key = torch.cat((seed >> 32, seed), dim=-1)  # (B, 1, 2): (k1, k0)
+        self.step_low = step & _MASK32  # c2, multiplied: must be clean
+        self.step_high = step >> 32  # c3
+        # Tensor streams cannot be range-checked without a sync: keep their low 24 bits
+        # so the purpose byte above them stays intact.
+        self.stream = stream[:, None] & (_STREAM_LIMIT - 1)
+
+    def uniforms(self, purpose: Purpose, start: int, length: int) -> Tensor:
+        """``(B, length)`` float64 uniforms for positions ``start .. start + length - 1``."""
+        first, last = start // 2, (start + length - 1) // 2
+        blocks = torch.arange(first, last + 1, dtype=torch.int64, device=self.stream.device)
+        stream_word = self.stream | (int(purpose) << 24)  # c1
+        if last - first + 1 <= self.FEW_BLOCKS:  # overhead-bound: the packed layout
+            multiplied = torch.stack(torch.broadcast_tensors(blocks, self.step_low), -1)
+            xored = torch.stack((self.step_high, stream_word), -1)
+            even, odd = philox4x32_pairs(multiplied, xored, self.key)  # (x0, x2), (x3, x1)
+        else:  # memory-bound: one tensor per word
+            k1, k0 = self.key.unbind(-1)
+            x0, x1, x2, x3 = philox4x32(
+                (blocks, stream_word, self.step_low, self.step_high), (k0, k1)
+            )
+            even, odd = torch.stack((x0, x2), -1), torch.stack((x3, x1), -1)
+        bits = torch.bitwise_left_shift(even, 21).bitwise_or_(odd >> 11)
+        flat = bits.to(torch.float64).mul_(_INV_2_53).flatten(1)
+        offset = start - 2 * first
+        return flat[:, offset : offset + length]
+
+    def row_uniforms(self, num: int) -> Tensor:
+        return self.uniforms(Purpose.DRAW, 0, num)
+
+    def entry_uniforms(self, start: int, length: int) -> Tensor:
+        return self.uniforms(Purpose.ENTRY, start, length)
+
+
+def make_source(
+    generator: torch.Generator | None,
+    seed: object,
+    step: object,
+    stream: object,
+    batch: int,
+    device: torch.device,
+) -> GeneratorSource | CounterSource:
+    """The uniform source for a sampler call: counter-based if ``seed`` is given."""
+    if seed is None:
+        if step is not None:
+            raise ValueError("step was given without seed; pass seed=... as well")
+        if stream is not None and not (isinstance(stream, int) and stream == 0):
+            raise ValueError("stream was given without seed; pass seed=... as well")
+        return GeneratorSource(generator, batch, device)
+    if generator is not None:
+        raise ValueError(
+            "generator and seed are mutually exclusive: pass seed (and step) for per-request "
+            "counter-based randomness, or generator for a torch.Generator stream"
+        )
+    return CounterSource(*check_counter_args(seed, step, stream, batch, device))
+
+
+def check_counter_args(
+    seed: object, step: object, stream: object, batch: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check ``seed``/``step``/``stream`` and broadcast them to ``(B,)`` int64 tensors.
+
+    Python ints become tensors on ``device``; tensors must already be int64, ``(B,)`` (or
+    0-d) and on ``device``. Raises ``TypeError``/``ValueError`` naming the argument.
+    """
+
+    def as_rows(value: object, name: str, default: int | None) -> Tensor:
+        if value is None:
+            if default is None:
+                raise ValueError(f"{name} is required")
+            value = default
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be an int or an int64 tensor, got bool")
+        if isinstance(value, int):
+            if name == "stream" and not 0 <= value < _STREAM_LIMIT:
+                raise ValueError(f"stream must be in [0, 2**24), got {value}")
+            if not -(2**63) <= value < 2**63:
+                raise ValueError(f"{name} must fit in int64, got {value}")
+            return torch.full((batch,), value, dtype=torch.int64, device=device)
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"{name} must be an int or an int64 tensor of shape ({batch},), "
+                f"got {type(value).__name__}"
+            )
+        if value.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64, got {value.dtype}; use {name}.long()")
+        if value.device != device:
+            raise ValueError(
+                f"{name} is on {value.device} but the data is on {device}; move it with "
+                f"{name}.to('{device}') once, outside the sampling loop"
+            )
+        if value.dim() == 0:
+            return value.expand(batch)
+        if tuple(value.shape) != (batch,):
+            raise ValueError(
+                f"{name} must have shape ({batch},) (one per row), got {tuple(value.shape)}"
+            )
+        return value
+
+    return as_rows(seed, "seed", None), as_rows(step, "step", 0), as_rows(stream, "stream", 0)
