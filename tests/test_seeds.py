@@ -1,0 +1,314 @@
+"""Counter-based per-request seeds: the generator, its statistics, batch invariance, exactness.
+
+The generator itself (Philox-4x32-10) has known-answer tests in test_philox.py; here we test
+what fastsample builds on it: the mapping of (seed, step, stream, position) to uniforms, their
+quality and independence, and the samplers' guarantees.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+
+import fastsample as fs
+from fastsample.seeds import CounterSource, Purpose, Stream, advance_step
+from stattests import assert_law, law_rejected, plackett_luce
+from test_exactness import CASES, JOINT_ROW, binned, count_draws, make_row
+from test_philox import ref_philox4x32
+
+METHODS = ["inverse_cdf", "race"]
+MASK64 = (1 << 64) - 1
+
+
+def reference_uniform(seed: int, step: int, stream: int, purpose: int, position: int) -> float:
+    """The documented mapping, from the spec, in plain Python ints."""
+    seed, step = seed & MASK64, step & MASK64
+    ctr = (position // 2, (purpose << 24) | stream, step & 0xFFFFFFFF, step >> 32)
+    x0, x1, x2, x3 = ref_philox4x32(ctr, (seed & 0xFFFFFFFF, seed >> 32))
+    high, low = (x0, x3) if position % 2 == 0 else (x2, x1)
+    return ((high << 21) | (low >> 11)) * 2.0**-53
+
+
+def source(seed, step, stream=0):
+    as_t = lambda v: torch.as_tensor(v, dtype=torch.int64)  # noqa: E731
+    seed = as_t(seed)
+    step, stream = (torch.broadcast_to(as_t(v), seed.shape) for v in (step, stream))
+    return CounterSource(seed, step, stream)
+
+
+def test_uniforms_match_the_documented_mapping():
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345]
+    steps = [0, 1, 2**32 - 1, 2**32, 2**62 + 5, 7]
+    streams = [0, 1, Stream.DRAFT, Stream.RECOVERY + 3, 2**24 - 1, 42]
+    src = source(seeds, steps, streams)
+    for purpose, start, length in [(Purpose.DRAW, 0, 3), (Purpose.ENTRY, 5, 20)]:
+        got = src.uniforms(purpose, start, length)  # 20 entries: the per-word layout
+        for b in range(len(seeds)):
+            want = [
+                reference_uniform(seeds[b], steps[b], streams[b], purpose, start + i)
+                for i in range(length)
+            ]
+            assert got[b].tolist() == want
+
+
+def test_entry_uniforms_are_keyed_by_global_index():
+    """A vocabulary shard reproduces its slice of the full row's noise, at any offset."""
+    src = source([3, 4], [10, 11])
+    full = src.entry_uniforms(0, 1000)
+    for start, length in [(0, 1), (1, 1), (255, 300), (256, 5), (999, 1), (7, 6)]:
+        assert torch.equal(src.entry_uniforms(start, length), full[:, start : start + length])
+
+
+# --- statistical quality ------------------------------------------------------------------
+
+def bit_field_counts(u: torch.Tensor, shift: int, bits: int = 8) -> np.ndarray:
+    ints = (u * 2.0**53).to(torch.int64)
+    field = (ints >> shift) & ((1 << bits) - 1)
+    return torch.bincount(field.flatten(), minlength=1 << bits).numpy()
+
+
+@pytest.mark.parametrize("shift", [0, 11, 21, 32, 45])
+def test_bit_fields_are_uniform(shift):
+    seeds = torch.arange(2048)
+    src = source(seeds, seeds * 3 + 1)
+    for u in (src.row_uniforms(8), src.entry_uniforms(1000, 64)):
+        counts = bit_field_counts(u, shift)
+        assert_law(counts, np.ones(256), what=f"bits {shift}..{shift + 7}")
+
+
+def pair_counts(a: torch.Tensor, b: torch.Tensor, cells: int = 16) -> np.ndarray:
+    ia = (a.flatten() * cells).long()
+    ib = (b.flatten() * cells).long()
+    return torch.bincount(ia * cells + ib, minlength=cells * cells).numpy()
+
+
+NEIGHBOURS = {
+    "steps": lambda seeds: (source(seeds, 5), source(seeds, 6)),
+    "seeds": lambda seeds: (source(seeds, 5), source(seeds + 1, 5)),
+    "streams": lambda seeds: (source(seeds, 5, Stream.DRAFT), source(seeds, 5, Stream.TARGET)),
+    "samples": lambda seeds: (source(seeds, 5, Stream.SAMPLE), source(seeds, 5, 1)),
+}
+
+
+@pytest.mark.parametrize("what", list(NEIGHBOURS))
+def test_neighbours_are_independent(what):
+    """Joint law of (u, u') for neighbouring steps, seeds, streams: uniform on a 16x16 grid."""
+    seeds = torch.arange(40_000) * 1000
+    first, second = NEIGHBOURS[what](seeds)
+    counts = pair_counts(first.row_uniforms(4), second.row_uniforms(4))
+    assert_law(counts, np.ones(256), what=what)
+    counts = pair_counts(first.entry_uniforms(0, 16), second.entry_uniforms(0, 16))
+    assert_law(counts, np.ones(256), what=what)
+
+
+def test_independence_test_rejects_correlated_streams():
+    """Negative control: a stream that shares 2% of its draws with its neighbour is caught."""
+    seeds = torch.arange(40_000) * 1000
+    a = source(seeds, 5).row_uniforms(4)
+    b = source(seeds, 6).row_uniforms(4)
+    leak = torch.rand(b.shape, generator=torch.Generator().manual_seed(0)) < 0.02
+    b = torch.where(leak, a, b)
+    assert law_rejected(pair_counts(a, b), np.ones(256))
+
+
+def test_purposes_do_not_share_noise():
+    src = source(torch.arange(100), 0)
+    assert not torch.equal(src.row_uniforms(4), src.entry_uniforms(0, 4))
+
+
+# --- batch invariance ---------------------------------------------------------------------
+
+def random_requests(count: int, vocab: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(count, vocab, generator=gen) * 3, -1)
+    probs[::5, ::3] = 0  # some rows with exact zeros
+    seeds = torch.randint(-(2**62), 2**62, (count,), generator=gen)
+    steps = torch.randint(0, 2**40, (count,), generator=gen)
+    return probs, seeds, steps
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_same_request_same_tokens_whatever_the_batch(method, num_samples):
+    probs, seeds, steps = random_requests(257, 1500)
+
+    def draw(rows):
+        return fs.sample_from_probs(
+            probs[rows], num_samples, seed=seeds[rows], step=steps[rows], method=method
+        ).token_ids
+
+    full = draw(torch.arange(257))
+    order = torch.randperm(257, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(draw(order), full[order])
+    for row in [0, 5, 128, 256]:
+        assert torch.equal(draw(torch.tensor([row])), full[row : row + 1])
+    # fast_sample too
+    _, alone = fs.fast_sample(probs[3:4], num_samples, seed=seeds[3:4], step=steps[3:4])
+    _, batch = fs.fast_sample(probs, num_samples, seed=seeds, step=steps)
+    assert torch.equal(alone, batch[3:4])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_invariance_under_compile(method):
+    probs, seeds, steps = random_requests(257, 600, seed=2)
+    torch._dynamo.reset()
+
+    def draw(p, s, t):
+        return fs.sample_from_probs(p, 2, seed=s, step=t, method=method).token_ids
+
+    compiled = torch.compile(draw, fullgraph=True)
+    eager = draw(probs, seeds, steps)
+    assert torch.equal(compiled(probs, seeds, steps), eager)
+    order = torch.randperm(257, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(compiled(probs[order], seeds[order], steps[order]), eager[order])
+
+
+def test_steps_and_streams_change_the_draws():
+    probs = torch.ones(64, 1000)
+    seeds = torch.arange(64)
+    base = fs.sample_from_probs(probs, seed=seeds, step=0).token_ids
+    assert torch.equal(fs.sample_from_probs(probs, seed=seeds, step=0).token_ids, base)
+    for kwargs in ({"step": 1}, {"step": 0, "stream": Stream.DRAFT}, {"step": 0, "stream": 1}):
+        other = fs.sample_from_probs(probs, seed=seeds, **kwargs).token_ids
+        assert (other != base).float().mean() > 0.9
+
+
+def test_advance_step_in_place_and_under_compile():
+    step = torch.tensor([0, 5, 2**40])
+    assert advance_step(step) is step
+    assert step.tolist() == [1, 6, 2**40 + 1]
+    probs = torch.ones(3, 500)
+    seeds = torch.tensor([1, 2, 3])
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True)
+    def decode_step(p, s, t):
+        out = fs.sample_from_probs(p, seed=s, step=t)
+        advance_step(t)
+        return out.token_ids
+
+    step = torch.zeros(3, dtype=torch.int64)
+    first = decode_step(probs, seeds, step)
+    second = decode_step(probs, seeds, step)
+    assert step.tolist() == [2, 2, 2]
+    assert not torch.equal(first, second)
+    assert torch.equal(first, fs.sample_from_probs(probs, seed=seeds, step=0).token_ids)
+    assert torch.equal(second, fs.sample_from_probs(probs, seed=seeds, step=1).token_ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_graph_advances_step_inside_the_graph(method):
+    probs = torch.softmax(torch.randn(64, 32000, device="cuda"), -1)
+    seeds = torch.arange(64, device="cuda")
+    step = torch.zeros(64, dtype=torch.int64, device="cuda")
+
+    def decode_step():
+        out = fs.sample_from_probs(probs, 2, seed=seeds, step=step, method=method)
+        advance_step(step)
+        return out.token_ids
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_step()
+    torch.cuda.current_stream().wait_stream(stream)
+    step.zero_()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = decode_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    step.zero_()
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        seen.append(out.clone())
+    assert step.tolist() == [3] * 64
+    for k, ids in enumerate(seen):  # replay k drew exactly what eager draws at step k
+        eager = fs.sample_from_probs(probs, 2, seed=seeds, step=k, method=method).token_ids
+        assert torch.equal(ids, eager)
+    assert not torch.equal(seen[0], seen[1])
+
+
+# --- exactness with seeds -----------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6]], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_seeded_single_draw_law(method, case):
+    """Each draw uses a different (seed, step): the law holds across seeds and steps."""
+    kind, vocab, dtype = case
+    gen = torch.Generator().manual_seed(vocab)
+    row = make_row(kind, vocab, gen).to(dtype)
+    total = int(min(100_000, (4e9 if method == "inverse_cdf" else 3e7) / vocab))
+    calls = iter(range(10**9))
+
+    def draw(batch):
+        k = next(calls)
+        seeds = torch.arange(batch.shape[0]) * 7919 + k
+        steps = torch.full((batch.shape[0],), k * 13)
+        return fs.sample_from_probs(batch, seed=seeds, step=steps, method=method).token_ids
+
+    counts = count_draws(draw, row, total, chunk=max(1, int(1e7 // vocab)))
+    exact = row.double().numpy()
+    if vocab > 64:
+        counts, exact = binned(counts, exact, num_bins=min(64, total // 200))
+    assert_law(counts, exact, what=f"seeded {method} {kind} V={vocab}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_joint_law_and_negative_control(method):
+    row = torch.tensor(JOINT_ROW, dtype=torch.float32)
+    total = 200_000
+    batch = row.expand(total, -1)
+    ids = fs.sample_from_probs(
+        batch, 2, seed=torch.arange(total), step=torch.arange(total) % 97, method=method
+    ).token_ids.numpy()
+    vocab = len(JOINT_ROW)
+    counts = np.bincount(ids[:, 0] * vocab + ids[:, 1], minlength=vocab * vocab)
+    tuples = np.array([(a, b) for a in range(vocab) for b in range(vocab)])
+    exact = np.where(tuples[:, 0] == tuples[:, 1], 0.0, 1.0)
+    exact[exact > 0] = plackett_luce(np.array(JOINT_ROW), tuples[exact > 0])
+    assert_law(counts, exact, what=f"seeded joint {method}")
+    # Negative control: the same counts judged against a law with 2% moved onto token 0.
+    biased = np.array(JOINT_ROW) * 0.98
+    biased[0] += 0.02
+    wrong = np.where(tuples[:, 0] == tuples[:, 1], 0.0, 1.0)
+    wrong[wrong > 0] = plackett_luce(biased, tuples[wrong > 0])
+    assert law_rejected(counts, wrong)
+
+
+# --- argument errors ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        ({"seed": 1, "generator": torch.Generator()}, ValueError, "mutually exclusive"),
+        ({"step": 3}, ValueError, "step was given without seed"),
+        ({"stream": 2}, ValueError, "stream was given without seed"),
+        ({"seed": 1.5}, TypeError, "seed must be an int or an int64 tensor"),
+        ({"seed": True}, TypeError, "seed must be an int or an int64 tensor, got bool"),
+        ({"seed": torch.arange(3).int()}, TypeError, "seed must be int64"),
+        ({"seed": torch.arange(3)}, ValueError, "seed must have shape (2,)"),
+        ({"seed": 1, "step": torch.zeros(2, 2, dtype=torch.int64)}, ValueError, "step must have"),
+        ({"seed": 1, "stream": 2**24}, ValueError, "stream must be in [0, 2**24)"),
+        ({"seed": 2**64}, ValueError, "seed must fit in int64"),
+    ],
+)
+@pytest.mark.parametrize("api", ["sample_from_probs", "fast_sample"])
+def test_seed_argument_errors(api, kwargs, error, words):
+    with pytest.raises(error) as info:
+        getattr(fs, api)(torch.ones(2, 5), **kwargs)
+    assert words in str(info.value)
+
+
+def test_python_int_and_zero_dim_seeds_broadcast():
+    probs = torch.ones(4, 50)
+    a = fs.sample_from_probs(probs, seed=7, step=3).token_ids
+    b = fs.sample_from_probs(probs, seed=torch.tensor(7), step=torch.full((4,), 3)).token_ids
+    assert torch.equal(a, b)
+    assert len(set(a.flatten().tolist())) == 1  # four identical requests, identical draws
