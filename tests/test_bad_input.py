@@ -186,3 +186,16 @@ def test_input_not_modified_and_non_contiguous_input():
     assert torch.equal(probs, before)
     gen.manual_seed(0)
     assert torch.equal(fs.sample_from_probs(base, 2, generator=gen).token_ids, a)
+
+
+def test_auto_method_choice_is_documented_and_same_law():
+    from fastsample.sampling import choose_method
+
+    assert choose_method(torch.ones(64, 128), 1) == "race"
+    assert choose_method(torch.ones(64, 128256), 1) == "inverse_cdf"
+    assert choose_method(torch.ones(64, 128), 1, seeded=True) == "inverse_cdf"
+    small = torch.softmax(torch.randn(8, 50), -1)
+    gen = torch.Generator().manual_seed(0)
+    auto = fs.sample_from_probs(small, 2, generator=gen).token_ids
+    gen.manual_seed(0)
+    assert torch.equal(auto, fs.sample_from_probs(small, 2, generator=gen, method="race").token_ids)

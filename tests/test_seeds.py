@@ -63,6 +63,7 @@ def test_entry_uniforms_are_keyed_by_global_index():
 
 # --- statistical quality ------------------------------------------------------------------
 
+
 def bit_field_counts(u: torch.Tensor, shift: int, bits: int = 8) -> np.ndarray:
     ints = (u * 2.0**53).to(torch.int64)
     field = (ints >> shift) & ((1 << bits) - 1)
@@ -119,6 +120,7 @@ def test_purposes_do_not_share_noise():
 
 
 # --- batch invariance ---------------------------------------------------------------------
+
 
 def random_requests(count: int, vocab: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
@@ -237,6 +239,7 @@ def test_cuda_graph_advances_step_inside_the_graph(method):
 
 # --- exactness with seeds -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6]], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_seeded_single_draw_law(method, case):
@@ -283,6 +286,7 @@ def test_seeded_joint_law_and_negative_control(method):
 
 
 # --- argument errors ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "kwargs,error,words",

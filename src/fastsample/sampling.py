@@ -40,18 +40,30 @@ class SampleOutput(NamedTuple):
     valid: Tensor
 
 
-# Method choice for method="auto", from `python -m fastsample bench` (medians, float32):
-#   CPU (2-core Xeon, torch 2.13), B=64, V=128256: inverse_cdf 1.4 ms, race 95 ms.
-#   The race needs a float64 uniform and a log per entry (~10 ns each on CPU) while the
-#   inverse CDF reads each entry once, so the inverse CDF wins at every CPU shape measured
-#   (B in 1..256, V in 32..151936).
-#   CUDA: not measured yet in this project. The inverse CDF does one read pass plus ~15
-#   small kernels per draw, the race ~5 passes over float64 noise; we default to the
-#   inverse CDF there too until a GPU run of the benchmark says otherwise.
-def choose_method(probs: Tensor, num_samples: int) -> str:
+# Method choice for method="auto", from medians measured with `python -m fastsample bench`
+# and a B x V sweep (2-core Xeon, torch 2.13, float32, one draw), in ms:
+#
+#   B x V          inverse_cdf   race      B x V           inverse_cdf   race
+#   1 x 2048         0.205       0.148     64 x 2048         0.333       1.741
+#   64 x 128         0.243       0.231     1024 x 8          0.318       0.278
+#   1024 x 32        0.478       0.541     64 x 128256       1.9       ~110
+#
+# Below ~8k entries both are overhead-bound and the race has fewer ops; above, the race's
+# per-entry uniform and log (~10 ns each on CPU) lose to one read pass. Seeded races pay
+# Philox per entry, so seeded calls keep the inverse CDF.
+# CUDA: not measured in this project yet (no GPU run so far). The race is ~6 kernels and the
+# inverse CDF ~15 small kernels per draw plus one read pass, so by that count we take the
+# race up to 2^20 entries and the inverse CDF above, until a GPU run of the benchmark says.
+_CPU_RACE_MAX_ENTRIES = 8192
+_CUDA_RACE_MAX_ENTRIES = 1 << 20
+
+
+def choose_method(probs: Tensor, num_samples: int, seeded: bool = False) -> str:
     """The method ``"auto"`` resolves to for this input (see the measurements above)."""
-    del probs, num_samples
-    return "inverse_cdf"
+    del num_samples
+    entries = probs.shape[0] * probs.shape[1]
+    limit = _CUDA_RACE_MAX_ENTRIES if probs.is_cuda else _CPU_RACE_MAX_ENTRIES
+    return "race" if entries <= limit and not (seeded and not probs.is_cuda) else "inverse_cdf"
 
 
 def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -> SampleOutput:
@@ -129,7 +141,7 @@ def sample_from_probs(
     if v.check_flag(check, "check"):
         v.check_probs_values(probs)
     if method == "auto":
-        method = choose_method(probs, num_samples)
+        method = choose_method(probs, num_samples, seeded=seed is not None)
     return _draw(probs, num_samples, method, source)
 
 
