@@ -316,3 +316,15 @@ def test_python_int_and_zero_dim_seeds_broadcast():
     b = fs.sample_from_probs(probs, seed=torch.tensor(7), step=torch.full((4,), 3)).token_ids
     assert torch.equal(a, b)
     assert len(set(a.flatten().tolist())) == 1  # four identical requests, identical draws
+
+
+def test_batch_invariance_at_full_vocabulary_size():
+    """Row reductions over a 128k vocabulary do not change with the batch around them."""
+    probs, seeds, steps = random_requests(48, 128_256, seed=4)
+    full = fs.sample_from_probs(probs, 2, seed=seeds, step=steps, method="inverse_cdf")
+    for row in [0, 17, 47]:
+        alone = fs.sample_from_probs(
+            probs[row : row + 1], 2, seed=seeds[row : row + 1], step=steps[row : row + 1]
+        )
+        assert torch.equal(alone.token_ids, full.token_ids[row : row + 1])
+        assert torch.equal(alone.probs, full.probs[row : row + 1])
