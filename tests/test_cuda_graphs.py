@@ -23,12 +23,13 @@ def capture(fn, *static_inputs):
             fn(*static_inputs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
+        # Only the sampler runs under "error" (the capture context syncs on entry by design).
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             out = fn(*static_inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return graph, out
 
 

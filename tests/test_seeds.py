@@ -219,12 +219,12 @@ def test_cuda_graph_advances_step_inside_the_graph(method):
     torch.cuda.current_stream().wait_stream(stream)
     step.zero_()
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")  # only the step itself, not capture's own sync
+        try:
             out = decode_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     step.zero_()
     seen = []
     for _ in range(3):
