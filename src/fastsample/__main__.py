@@ -3,6 +3,8 @@
 Commands:
 
 * ``bench``: fastsample against ``torch.multinomial``, side by side (:mod:`fastsample.bench`).
+* ``selfcheck``: exactness, bad rows, batch invariance and (on CUDA) graph capture on this
+  device (:mod:`fastsample.selfcheck`).
 
 A command is a module with ``add_arguments(parser)`` and ``run(args) -> int``; to add one,
 add it to :func:`_commands`.
@@ -17,10 +19,11 @@ from types import ModuleType
 
 def _commands() -> list[tuple[str, str, ModuleType]]:
     """``(name, one-line help, module)`` for each subcommand, in help order."""
-    from . import bench
+    from . import bench, selfcheck
 
     return [
         ("bench", "time fastsample against torch.multinomial and one read pass", bench),
+        ("selfcheck", "check exactness and graph safety of fastsample on this device", selfcheck),
     ]
 
 

@@ -1,0 +1,255 @@
+"""``python -m fastsample selfcheck``: does fastsample behave on *this* device?
+
+A short battery (seconds on a CPU, less on a GPU) that a user can run wherever fastsample
+is installed, with no test dependencies:
+
+* exactness: chi-square of single draws and of ordered pairs (Plackett-Luce) against exact
+  float64 probabilities, for every method, unseeded and seeded, at a false-alarm rate of
+  1e-6 per check; each check is also run on a 2%-biased law, which it must reject (so a
+  pass means the check had the power to fail);
+* zero weights are never drawn; bad rows (NaN, inf, negative, all-zero) are flagged and
+  leave the other rows bitwise unchanged;
+* batch invariance with per-request seeds;
+* on CUDA: capture in a CUDA graph under ``torch.cuda.set_sync_debug_mode("error")`` and
+  replay with the step advanced inside the graph.
+
+Exit status 0 when every check passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .sampling import fast_sample, sample_from_probs
+from .seeds import advance_step
+
+ALPHA = 1e-6
+DESCRIPTION = (__doc__ or "").strip()
+
+
+def chi2_threshold(df: int, alpha: float = ALPHA) -> float:
+    """Upper ``alpha`` quantile of chi-square(df), Wilson-Hilferty (no scipy needed)."""
+    z = _normal_upper_quantile(alpha)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _normal_upper_quantile(alpha: float) -> float:
+    lo, hi = 0.0, 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 0.5 * math.erfc(mid / math.sqrt(2)) > alpha else (lo, mid)
+    return lo
+
+
+def chi_square(counts: Tensor, probs: Tensor) -> tuple[float, int]:
+    """Pearson's statistic of ``counts`` against ``probs`` (cells with p == 0 excluded)."""
+    counts, probs = counts.double().cpu(), probs.double().cpu()
+    keep = probs > 0
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def law_holds(counts: Tensor, probs: Tensor) -> bool:
+    stat, df = chi_square(counts, probs)
+    return stat <= chi2_threshold(df) and int(counts[probs.cpu() == 0].sum()) == 0
+
+
+def _biased(probs: Tensor) -> Tensor:
+    """The same law with 2% of the mass moved onto the least likely positive token."""
+    p = probs.double() / probs.double().sum()
+    out = p * 0.98
+    out[int(torch.where(p > 0, p, 2.0).argmin())] += 0.02
+    return out
+
+
+Sampler = Callable[[Tensor, int, int], Tensor]  # (batch, num_samples, call index) -> ids
+
+
+def _samplers() -> dict[str, Sampler]:
+    def method(name: str, seeded: bool) -> Sampler:
+        def draw(batch: Tensor, n: int, call: int) -> Tensor:
+            if not seeded:
+                return sample_from_probs(batch, n, method=name).token_ids
+            rows = torch.arange(batch.shape[0], device=batch.device)
+            return sample_from_probs(
+                batch, n, seed=rows * 7919 + call, step=call, method=name
+            ).token_ids
+
+        return draw
+
+    samplers = {
+        f"{name}{'+seed' if seeded else ''}": method(name, seeded)
+        for name, seeded in itertools.product(("inverse_cdf", "race"), (False, True))
+    }
+    samplers["fast_sample"] = lambda batch, n, call: fast_sample(batch, n)[1]
+    return samplers
+
+
+ROW = [0.05, 0.4, 0.0, 0.2, 0.15, 0.2, 1e-3, 0.0]
+
+
+def check_single_draws(draw: Sampler, device: torch.device) -> str | None:
+    row = torch.tensor(ROW, device=device)
+    batch = row.expand(100_000, -1)
+    counts = torch.zeros(len(ROW), dtype=torch.float64, device=device)
+    for call in range(4):
+        counts += torch.bincount(draw(batch, 1, call)[:, 0], minlength=len(ROW))
+    if not law_holds(counts, row):
+        return f"single draws: chi-square {chi_square(counts, row)[0]:.1f} too large"
+    if law_holds(counts, _biased(row)):
+        return "single draws: a 2% bias was not detected (check has no power)"
+    return None
+
+
+def check_pairs(draw: Sampler, device: torch.device) -> str | None:
+    row = torch.tensor(ROW, device=device)
+    vocab = len(ROW)
+    ids = torch.cat([draw(row.expand(100_000, -1), 2, call) for call in range(3)])
+    if bool((ids[:, 0] == ids[:, 1]).any()):
+        return "pairs: a token was drawn twice"
+    counts = torch.bincount(ids[:, 0] * vocab + ids[:, 1], minlength=vocab * vocab)
+    exact = _pair_law(row)
+    if not law_holds(counts, exact):
+        return f"pairs: chi-square {chi_square(counts, exact)[0]:.1f} too large"
+    if law_holds(counts, _pair_law(_biased(row))):
+        return "pairs: a 2% bias was not detected (check has no power)"
+    return None
+
+
+def _pair_law(weights: Tensor) -> Tensor:
+    """Exact probability of each ordered pair drawn without replacement, flattened."""
+    p = weights.double().cpu() / weights.double().sum().cpu()
+    vocab = p.numel()
+    exact = torch.zeros(vocab * vocab, dtype=torch.float64)
+    for a, b in itertools.permutations(range(vocab), 2):
+        exact[a * vocab + b] = p[a] * p[b] / (1 - p[a]) if p[a] < 1 else 0.0
+    return exact
+
+
+def check_bad_rows(device: torch.device) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    clean = torch.softmax(torch.randn(5, 3000, generator=gen), -1).to(device)
+    dirty = clean.clone()
+    dirty[1, 7] = float("nan")
+    dirty[2, 9] = float("inf")
+    dirty[3, 11] = -1.0
+    dirty[4] = 0
+    seeds = torch.arange(5, device=device)
+    for method in ("inverse_cdf", "race"):
+        a = sample_from_probs(clean, 2, seed=seeds, step=3, method=method)
+        b = sample_from_probs(dirty, 2, seed=seeds, step=3, method=method)
+        if b.valid.tolist() != [True, False, False, False, False]:
+            return f"bad rows ({method}): valid flags {b.valid.tolist()}"
+        if not torch.equal(a.token_ids[0], b.token_ids[0]):
+            return f"bad rows ({method}): a good row changed"
+        if b.token_ids[1:].tolist() != [[0, 1]] * 4:
+            return f"bad rows ({method}): ids {b.token_ids[1:].tolist()}"
+    return None
+
+
+def check_batch_invariance(device: torch.device) -> str | None:
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(65, 5000, generator=gen) * 3, -1).to(device)
+    seeds = torch.randint(0, 2**62, (65,), generator=gen).to(device)
+    for method in ("inverse_cdf", "race"):
+        full = sample_from_probs(probs, 2, seed=seeds, step=9, method=method).token_ids
+        order = torch.randperm(65, generator=gen).to(device)
+        shuffled = sample_from_probs(
+            probs[order], 2, seed=seeds[order], step=9, method=method
+        ).token_ids
+        alone = sample_from_probs(probs[7:8], 2, seed=seeds[7:8], step=9, method=method)
+        if not torch.equal(shuffled, full[order]) or not torch.equal(alone.token_ids, full[7:8]):
+            return f"batch invariance ({method}): a request's tokens depend on its batch"
+    return None
+
+
+def check_zero_weights(draw: Sampler, device: torch.device) -> str | None:
+    row = torch.zeros(600, device=device)
+    row[1::3] = 1e-30
+    row[2::7] = 1.0
+    for call in range(3):
+        ids = draw(row.expand(20_000, -1), 2, call)
+        if bool((row[ids] == 0).any()):
+            return "zero weights: a zero-weight token was drawn"
+    return None
+
+
+def check_cuda_graph(device: torch.device) -> str | None:
+    probs = torch.softmax(torch.randn(32, 32000, device=device), -1)
+    seeds = torch.arange(32, device=device)
+    step = torch.zeros(32, dtype=torch.int64, device=device)
+    for method in ("inverse_cdf", "race"):
+
+        def decode_step(method: str = method) -> Tensor:
+            out = sample_from_probs(probs, 2, seed=seeds, step=step, method=method)
+            advance_step(step)
+            return out.token_ids
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decode_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = decode_step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        step.zero_()
+        for k in range(3):
+            graph.replay()
+            want = sample_from_probs(probs, 2, seed=seeds, step=k, method=method).token_ids
+            if not torch.equal(out, want):
+                return f"CUDA graph ({method}): replay {k} differs from eager step {k}"
+        step.zero_()
+    return None
+
+
+def run_checks(device: torch.device, report: Callable[[str], None]) -> int:
+    checks: list[tuple[str, Callable[[], str | None]]] = []
+    for name, draw in _samplers().items():
+        checks.append((f"single-draw law, {name}", lambda d=draw: check_single_draws(d, device)))
+        checks.append((f"pair law, {name}", lambda d=draw: check_pairs(d, device)))
+        checks.append((f"zero weights, {name}", lambda d=draw: check_zero_weights(d, device)))
+    checks.append(("bad rows", lambda: check_bad_rows(device)))
+    checks.append(("batch invariance", lambda: check_batch_invariance(device)))
+    if device.type == "cuda":
+        checks.append(("CUDA graph, sync-free", lambda: check_cuda_graph(device)))
+    failures = 0
+    for label, check in checks:
+        start = time.perf_counter()
+        try:
+            problem = check()
+        except Exception as error:  # a crash is a failure to report, not to hide
+            problem = f"raised {type(error).__name__}: {error}"
+        seconds = time.perf_counter() - start
+        report(f"{'FAIL' if problem else 'ok  '} {label} ({seconds:.1f} s)")
+        if problem:
+            failures += 1
+            report(f"     {problem}")
+    report(f"{len(checks) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="torch.manual_seed for the run")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    print(f"fastsample selfcheck on {device} (torch {torch.__version__})", flush=True)
+    return run_checks(device, lambda line: print(line, flush=True))
