@@ -199,3 +199,22 @@ def test_auto_method_choice_is_documented_and_same_law():
     auto = fs.sample_from_probs(small, 2, generator=gen).token_ids
     gen.manual_seed(0)
     assert torch.equal(auto, fs.sample_from_probs(small, 2, generator=gen, method="race").token_ids)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_garbage_rows_always_give_in_range_ids(method):
+    """Fuzz: rows mixing NaN, +-inf, negatives, huge, tiny and subnormal values."""
+    gen = torch.Generator().manual_seed(123)
+    specials = torch.tensor([NAN, INF, -INF, -1.0, 3e38, 1e-45, 0.0, 1.0, -0.0, 1e-30])
+    for vocab in [1, 2, 255, 256, 257, 700, 1025]:
+        for _ in range(5):
+            picks = torch.randint(0, len(specials), (16, vocab), generator=gen)
+            rows = torch.where(
+                torch.rand(16, vocab, generator=gen) < 0.3, specials[picks], torch.rand(16, vocab)
+            )
+            n = min(3, vocab)
+            out = fs.sample_from_probs(rows, n, generator=gen, method=method)
+            assert ((out.token_ids >= 0) & (out.token_ids < vocab)).all()
+            seeded = fs.sample_from_probs(rows, n, seed=7, step=1, method=method)
+            assert ((seeded.token_ids >= 0) & (seeded.token_ids < vocab)).all()
+            assert torch.equal(seeded.valid, out.valid)

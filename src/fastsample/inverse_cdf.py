@@ -5,7 +5,7 @@ Algorithm, for one row of weights ``p`` (length ``V``) split into blocks of ``BL
 1. Block sums ``S_j`` (one read pass; float32 accumulation, float64 for float64 input) and
    their float64 inclusive prefix ``P_j``; ``total = P_last``.
 2. One float64 uniform ``u`` (53 random bits); ``t = u * total``. The chosen block is the
-   first ``j`` with ``P_j > t``, found by counting ``P_j <= t`` (a reduction, no search).
+   first ``j`` with ``P_j > t``: a batched binary search over the sorted prefix.
 3. Inside block ``j`` only: gather its ``BLOCK`` weights, float64 prefix ``c``, rescale the
    leftover ``t - P_{j-1}`` from ``S_j`` to ``c_last``, and pick the first ``c_i >`` it.
 
@@ -90,11 +90,14 @@ def inverse_cdf_draw(
         # Keep the target strictly below the remaining mass: then the first prefix above
         # it ends a block with positive mass, even when u * remaining rounds up.
         target = torch.minimum(uniforms[:, k : k + 1] * remaining, remaining.nextafter(floor))
-        block = (prefix <= target).sum(-1, keepdim=True).clamp_max_(num_blocks - 1)
+        # Count of prefixes <= target, by binary search (prefixes of non-negative weights are
+        # sorted; for a bad row the search still returns an in-range index).
+        block = torch.searchsorted(prefix, target, right=True).clamp_max_(num_blocks - 1)
         block_sum = sums.gather(1, block)
         fraction = ((target - (prefix.gather(1, block) - block_sum)) / block_sum).clamp_(0, 1)
 
-        columns = block * BLOCK + offsets
+        start = block * BLOCK
+        columns = start + offsets
         values = probs.gather(1, columns.clamp_max(vocab - 1)).to(torch.float64)
         if vocab > BLOCK and vocab % BLOCK:  # a short last block: drop clamped duplicates
             values = values * (columns < vocab)
@@ -106,9 +109,11 @@ def inverse_cdf_draw(
         # Same strictness inside the block: the first prefix above the target belongs to a
         # positive weight, so zero weights (and removed draws) are never chosen.
         inner_target = torch.minimum(fraction * block_total, block_total.nextafter(floor))
-        inner = (within <= inner_target).sum(-1, keepdim=True).clamp_max_(width - 1)
+        inner = torch.searchsorted(within, inner_target, right=True).clamp_max_(width - 1)
 
-        token = block * BLOCK + inner
+        # In range for any input: a valid row never selects past its last positive weight,
+        # but a NaN row's search may land in the short last block's padding.
+        token = (start + inner).clamp_max_(vocab - 1)
         is_genuine = remaining > 0
         if token_ids:  # a row that ran out of positive weights repeats its previous draw
             token = torch.where(is_genuine, token, token_ids[-1])
