@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One prepared run for a machine with a CUDA GPU: the CUDA tests (graph capture under
+# sync-debug "error", the race's far-tail test, CPU/CUDA Philox agreement), the self-check
+# and the GPU benchmark. Writes logs and the benchmark JSON to ${OUT:-./device-out}.
+# Usage: bash scripts/device_check.sh   (about 5-8 minutes on an H200, install included)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./device-out}"
+mkdir -p "$OUT"
+status=0
+
+python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
+# Any CUDA build of torch >= 2.4 works; use what the machine has if it has one.
+python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null \
+    || pip install --quiet "torch>=2.4" 2>&1 | tail -2
+pip install --quiet -e ".[test]" 2>&1 | tail -2
+python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/device.txt"
+
+# CUDA tests only (everything else runs in CI on CPU).
+timeout 300 python -m pytest -q -rs tests/test_cuda_graphs.py tests/test_philox.py \
+    tests/test_seeds.py tests/test_exactness.py tests/test_bad_input.py \
+    -k "cuda or capture or graph or device_mismatch" 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
+
+timeout 120 python -m fastsample selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.txt" || status=1
+
+timeout 300 python -m fastsample bench --device cuda --json "$OUT/bench-cuda.json" \
+    2>&1 | tee "$OUT/bench-cuda.txt" || status=1
+exit $status
