@@ -18,9 +18,11 @@ within one run on one input are what carry over from machine to machine. That is
 table reports the speed-up over ``torch.multinomial`` and the multiple of one read pass
 next to each median.
 
-Timing: a few warm-up calls (allocator, lazy init, kernel caches), then timed calls until a
-per-contender budget is spent (at least ``min_repeats``, at most ``max_repeats``); the
-median is reported. Slow contenders simply get fewer repeats. On CUDA each timed call is
+Timing: a few warm-up calls (allocator, lazy init, kernel caches), then the contenders of a
+case are timed round-robin, one call each per round, until each has spent its budget (at
+least ``min_repeats``, at most ``max_repeats`` calls); the median is reported. Interleaving
+exposes all contenders to the same drifts of a shared machine; slow contenders simply
+drop out of the rounds earlier. On CUDA each timed call is
 bracketed by ``torch.cuda.synchronize`` and CUDA events, so the time is the call's
 completion on the device, launch overhead included; on CPU it is ``time.perf_counter``.
 
@@ -267,20 +269,6 @@ def _time_once(fn: Call, device: torch.device) -> float:
     return begin.elapsed_time(end) / 1e3
 
 
-def time_call(fn: Call, device: torch.device, timing: Timing) -> list[float]:
-    """Warm up, then time calls until the budget is spent; seconds per call."""
-    for _ in range(timing.warmup):
-        fn()
-    _sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < timing.max_repeats:
-        times.append(_time_once(fn, device))
-        if len(times) >= timing.min_repeats and time.perf_counter() - start >= timing.budget_s:
-            break
-    return times
-
-
 def _peak_above_final(deltas: Iterable[int]) -> int:
     """Peak of the running sum of signed byte deltas, minus its final value."""
     live = peak = 0
@@ -359,22 +347,74 @@ def make_case(batch: int, vocab: int, dtype: str, device: torch.device, seed: in
     return Case(batch, vocab, dtype, device, probs, seed)
 
 
-def run_contender(contender: Contender, group: str, case: Case, timing: Timing) -> Result | None:
-    """Time one contender on one case (None if it does not apply to the case)."""
-    row = Result(case.batch, case.vocab, case.dtype, contender.name, group, None, None, 0)
-    try:
-        fn = contender.build(case)
-        if fn is None:
-            return None
-        times_ms = [t * 1e3 for t in time_call(fn, case.device, timing)]
-    except Exception as exc:  # an unsupported dtype or device: report it, keep going
-        row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        return row
-    row.times_ms, row.repeats = times_ms, len(times_ms)
-    row.median_ms, row.min_ms = statistics.median(times_ms), min(times_ms)
-    if contender.measure_memory:
-        row.extra_mem_fraction = extra_memory_fraction(fn, case)
-    return row
+def time_interleaved(
+    calls: dict[str, Call], device: torch.device, timing: Timing
+) -> dict[str, list[float]]:
+    """Time several calls round-robin: one call of each per round, until each has spent its
+    budget (at least ``min_repeats``, at most ``max_repeats``). Seconds per call.
+
+    Interleaving puts every contender under the same slow drifts of a shared machine (clock,
+    other tenants), so the ratios between them hold better than with back-to-back blocks.
+    """
+    for fn in calls.values():
+        for _ in range(timing.warmup):
+            fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    spent = dict.fromkeys(calls, 0.0)
+
+    def wants_more(name: str) -> bool:
+        count = len(times[name])
+        if count >= timing.max_repeats:
+            return False
+        return count < timing.min_repeats or spent[name] < timing.budget_s
+
+    while any(wants_more(name) for name in calls):
+        for name, fn in calls.items():
+            if wants_more(name):
+                seconds = _time_once(fn, device)
+                times[name].append(seconds)
+                spent[name] += seconds
+    return times
+
+
+def run_case(case: Case, contenders: Sequence[Contender], timing: Timing) -> list[Result]:
+    """Time all contenders that apply to ``case``, interleaved; one row each."""
+    group_of = {c.name: g for g, cs in GROUPS.items() for c in cs}
+    rows: dict[str, Result] = {}
+    calls: dict[str, Call] = {}
+    for contender in contenders:
+        row = Result(
+            case.batch,
+            case.vocab,
+            case.dtype,
+            contender.name,
+            group_of.get(contender.name, "?"),
+            None,
+            None,
+            0,
+        )
+        try:
+            fn = contender.build(case)
+            if fn is None:
+                continue
+            fn()  # fail here, alone, rather than inside the interleaved loop
+        except Exception as exc:  # an unsupported dtype or device: report it, keep going
+            row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            rows[contender.name] = row
+            continue
+        rows[contender.name], calls[contender.name] = row, fn
+    for name, seconds in time_interleaved(calls, case.device, timing).items():
+        row = rows[name]
+        row.times_ms = [t * 1e3 for t in seconds]
+        row.repeats = len(row.times_ms)
+        row.median_ms, row.min_ms = statistics.median(row.times_ms), min(row.times_ms)
+    for contender in contenders:
+        if contender.measure_memory and contender.name in calls:
+            rows[contender.name].extra_mem_fraction = extra_memory_fraction(
+                calls[contender.name], case
+            )
+    return [rows[c.name] for c in contenders if c.name in rows]
 
 
 def add_ratios(rows: list[Result]) -> None:
@@ -665,18 +705,13 @@ def run_bench(
 ) -> list[Result]:
     """Run every contender on every case; print the table as it goes; return all rows."""
     out = out if out is not None else sys.stdout
-    group_of = {c.name: g for g, cs in GROUPS.items() for c in cs}
-    table, progress = Table(contenders, out), Progress(len(grid) * len(contenders))
+    table, progress = Table(contenders, out), Progress(len(grid))
     table.header()
     rows: list[Result] = []
     for batch, vocab, dtype in grid:
         case = make_case(batch, vocab, dtype, device, seed)
-        case_rows = []
-        for contender in contenders:
-            progress.step(f"{case.label} {contender.name}")
-            row = run_contender(contender, group_of.get(contender.name, "?"), case, timing)
-            if row is not None:
-                case_rows.append(row)
+        progress.step(f"{case.label} ({len(contenders)} contenders, interleaved)")
+        case_rows = run_case(case, contenders, timing)
         add_ratios(case_rows)
         progress.clear()
         table.case(case_rows)
