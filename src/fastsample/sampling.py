@@ -86,6 +86,28 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
     return SampleOutput(token_ids, token_probs, clean & genuine.all(-1))
 
 
+def _checked_source(
+    probs: object,
+    num_samples: object,
+    generator: object,
+    seed: object,
+    step: object,
+    stream: object,
+    check: object,
+) -> UniformSource:
+    """Every argument check both samplers share, in order, then their uniform source.
+
+    Raises before any work; with ``check=True`` also reads the values (a host sync).
+    """
+    probs = v.check_probs_tensor(probs)
+    v.check_num_samples(num_samples, probs.shape[1])
+    v.check_generator(generator, probs.device)
+    source = make_source(generator, seed, step, stream, probs.shape[0], probs.device)  # type: ignore[arg-type]
+    if v.check_flag(check, "check"):
+        v.check_probs_values(probs)
+    return source
+
+
 def sample_from_probs(
     probs: Tensor,
     num_samples: int = 1,
@@ -133,13 +155,8 @@ def sample_from_probs(
         >>> out.token_ids.shape, out.valid.tolist()
         (torch.Size([2, 1]), [True, True])
     """
-    v.check_probs_tensor(probs)
-    num_samples = v.check_num_samples(num_samples, probs.shape[1])
-    v.check_generator(generator, probs.device)
     method = v.check_method(method)
-    source = make_source(generator, seed, step, stream, probs.shape[0], probs.device)
-    if v.check_flag(check, "check"):
-        v.check_probs_values(probs)
+    source = _checked_source(probs, num_samples, generator, seed, step, stream, check)
     if method == "auto":
         method = choose_method(probs, num_samples, seeded=seed is not None)
     return _draw(probs, num_samples, method, source)
@@ -187,11 +204,6 @@ def fast_sample(
         >>> sample_index.shape
         torch.Size([4, 2])
     """
-    v.check_probs_tensor(probs)
-    num_samples = v.check_num_samples(num_samples, probs.shape[1])
-    v.check_generator(generator, probs.device)
-    source = make_source(generator, seed, step, stream, probs.shape[0], probs.device)
-    if v.check_flag(check, "check"):
-        v.check_probs_values(probs)
+    source = _checked_source(probs, num_samples, generator, seed, step, stream, check)
     token_ids = _draw(probs, num_samples, "race", source).token_ids
     return probs.gather(1, token_ids), token_ids
