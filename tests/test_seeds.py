@@ -328,3 +328,19 @@ def test_batch_invariance_at_full_vocabulary_size():
         )
         assert torch.equal(alone.token_ids, full.token_ids[row : row + 1])
         assert torch.equal(alone.probs, full.probs[row : row + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_pieces_match_float32_and_batch(dtype):
+    """Half rows are widened a few rows at a time: same draws as the float32 copy, and the
+    same for a row whatever piece of the batch it lands in."""
+    probs, seeds, steps = random_requests(11, 100_000, seed=5)  # 5 rows per piece
+    half = probs.to(dtype)
+    a = fs.sample_from_probs(half, 2, seed=seeds, step=steps, method="inverse_cdf")
+    b = fs.sample_from_probs(half.float(), 2, seed=seeds, step=steps, method="inverse_cdf")
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.valid, b.valid)
+    for row in [0, 4, 5, 10]:
+        alone = fs.sample_from_probs(
+            half[row : row + 1], 2, seed=seeds[row : row + 1], step=steps[row : row + 1]
+        )
+        assert torch.equal(alone.token_ids, a.token_ids[row : row + 1])

@@ -54,6 +54,31 @@ def block_sums(probs: Tensor) -> Tensor:
     return torch.cat(parts, dim=1).to(torch.float64)
 
 
+# float16/bfloat16 rows are widened to float32 this many elements at a time (2 MiB): torch's
+# CPU sum(dtype=float32) and amin on half types would otherwise copy the whole input to
+# float32 (+200% memory) and run slower than converting cache-sized pieces.
+HALF_CHUNK_ELEMENTS = 1 << 19
+
+
+def row_summaries(probs: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`block_sums` and the per-row minimum (NaN if the row has one), in one helper.
+
+    Half-precision rows are processed a few rows at a time in float32, so both reductions
+    read a cache-resident copy; each row's results are the same whatever rows share its piece.
+    """
+    if probs.dtype in (torch.float32, torch.float64):
+        return block_sums(probs), probs.amin(-1)
+    rows = max(1, HALF_CHUNK_ELEMENTS // probs.shape[1])
+    sums, smallest = [], []
+    for start in range(0, probs.shape[0], rows):
+        piece = probs[start : start + rows].float()
+        sums.append(block_sums(piece))
+        smallest.append(piece.amin(-1))
+    if not sums:  # an empty batch
+        return block_sums(probs.float()), probs.float().amin(-1)
+    return torch.cat(sums), torch.cat(smallest)
+
+
 def inverse_cdf_draw(
     probs: Tensor, num_samples: int, source: UniformSource, sums: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as v
-from .inverse_cdf import block_sums, inverse_cdf_draw
+from .inverse_cdf import inverse_cdf_draw, row_summaries
 from .noise import UniformSource
 from .race import race_draw
 from .seeds import make_source
@@ -69,8 +69,9 @@ def choose_method(probs: Tensor, num_samples: int, seeded: bool = False) -> str:
 def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -> SampleOutput:
     """Draw with ``method`` and apply the bad-row policy. Arguments already checked."""
     batch = probs.shape[0]
-    smallest = probs.amin(-1)  # NaN propagates, so NaN rows fail `>= 0` below
-    sums = block_sums(probs)  # per-row fixed-shape reductions: batch-invariant, bitwise
+    # Per-row fixed-shape reductions (batch-invariant, bitwise). The minimum propagates NaN,
+    # so NaN rows fail `>= 0` below.
+    sums, smallest = row_summaries(probs)
     if method == "race":
         total = sums.sum(-1)
         token_ids, genuine = race_draw(probs, num_samples, source)
