@@ -12,8 +12,8 @@ Algorithm, for one row of weights ``p`` (length ``V``) split into blocks of ``BL
 Why exact: step 2 picks block ``j`` with probability ``S_j / total``; the leftover is
 uniform on ``[0, S_j)`` given ``j``, so step 3 picks entry ``i`` with probability
 ``p_i / S_j``. The strict ``>`` means a zero weight is never chosen (its prefix equals its
-predecessor's), and both searches are clamped to the last positive block/entry so that a
-rounding of ``t`` up to the total cannot step past it. The only approximation is the
+predecessor's), and both targets are kept strictly below their totals (``nextafter``), so
+a rounding of ``t`` up to the total cannot step past the last positive block or entry. The only approximation is the
 float32 rounding of the block sums (relative ~1e-7), far below what any test can see.
 The float64 prefix over blocks resolves far-tail mass that a flat float32 cumsum over a
 128k vocabulary would lose.
@@ -23,7 +23,8 @@ Several draws without replacement (Plackett-Luce, the same law as the race) repe
 sum is recomputed exactly from its remaining entries, and the small block prefix is redone.
 Each extra draw touches ``O(n_blocks + BLOCK)`` values, never the whole row again.
 
-Memory: the block sums and one gathered block per row, under 1% of a 128k-vocabulary input.
+Memory: the block sums and one gathered block per row, ~3% of a 128k-vocabulary float32
+input; half-precision input is widened to float32 a few rows at a time (2 MiB pieces).
 """
 
 from __future__ import annotations
