@@ -13,8 +13,9 @@ Why exact: step 2 picks block ``j`` with probability ``S_j / total``; the leftov
 uniform on ``[0, S_j)`` given ``j``, so step 3 picks entry ``i`` with probability
 ``p_i / S_j``. The strict ``>`` means a zero weight is never chosen (its prefix equals its
 predecessor's), and both targets are kept strictly below their totals (``nextafter``), so
-a rounding of ``t`` up to the total cannot step past the last positive block or entry. The only approximation is the
-float32 rounding of the block sums (relative ~1e-7), far below what any test can see.
+a rounding of ``t`` up to the total cannot step past the last positive block or entry.
+The only approximation is the float32 rounding of the block sums (relative ~1e-7), far
+below what any test can see.
 The float64 prefix over blocks resolves far-tail mass that a flat float32 cumsum over a
 128k vocabulary would lose.
 

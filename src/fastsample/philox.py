@@ -32,6 +32,8 @@ key, ``c1``, ``c3``) are allowed garbage above bit 31, since every XOR result is
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -89,25 +91,33 @@ def philox4x32_few(
     return even[..., 0], odd[..., 1], even[..., 1], odd[..., 0]
 
 
-# 0-d operands made once: passing Python ints makes torch wrap a new scalar tensor per op,
-# a measurable share of a 1 us op. CPU 0-d tensors are valid operands on any device.
-_SHIFT32 = torch.tensor(32, dtype=torch.int64)
-_MASK32_T = torch.tensor(_MASK32, dtype=torch.int64)
-_PAIR_CONSTANTS: dict[tuple[torch.device, int], tuple[Tensor, list[Tensor]]] = {}
+class _PairConstants(NamedTuple):
+    multipliers: Tensor  # (M0, M1)
+    bumps: list[Tensor]  # r * (W1, W0) for each round r
+    shift32: Tensor  # 0-d 32: a tensor operand, so no scalar is wrapped per op
+    mask32: Tensor  # 0-d 0xFFFFFFFF
 
 
-def _pair_constants(device: torch.device, rounds: int) -> tuple[Tensor, list[Tensor]]:
-    """Lane multipliers ``(M0, M1)`` and per-round key bumps ``r * (W1, W0)``, per device.
+_PAIR_CONSTANTS: dict[tuple[torch.device, int], _PairConstants] = {}
 
-    Built from arange (no host-to-device copy, so capturable) and cached, since per-op
-    overhead is what this layout exists to save.
+
+def _pair_constants(device: torch.device, rounds: int) -> _PairConstants:
+    """Constants of the packed layout, made once per device and cached.
+
+    Passing Python ints makes torch wrap a new scalar tensor per op, a measurable share of a
+    1 us op. Built with arange/full on ``device`` (no host-to-device copy: capturable, and
+    no CPU operand mixed into CUDA or compiled code).
     """
     cached = _PAIR_CONSTANTS.get((device, rounds))
     if cached is None:
         lanes = torch.arange(2, device=device)
-        multipliers = PHILOX_M0 + (PHILOX_M1 - PHILOX_M0) * lanes
         weyl = PHILOX_W1 + (PHILOX_W0 - PHILOX_W1) * lanes  # pairs with key lanes (k1, k0)
-        cached = (multipliers, [weyl * r for r in range(rounds)])
+        cached = _PairConstants(
+            multipliers=PHILOX_M0 + (PHILOX_M1 - PHILOX_M0) * lanes,
+            bumps=[weyl * r for r in range(rounds)],
+            shift32=torch.full((), 32, dtype=torch.int64, device=device),
+            mask32=torch.full((), _MASK32, dtype=torch.int64, device=device),
+        )
         _PAIR_CONSTANTS[(device, rounds)] = cached
     return cached
 
@@ -126,14 +136,14 @@ def philox4x32_pairs(
     Returns:
         The output words packed the same way: ``(x0, x2)`` and ``(x3, x1)``.
     """
-    multipliers, bumps = _pair_constants(multiplied.device, rounds)
+    multipliers, bumps, shift32, mask32 = _pair_constants(multiplied.device, rounds)
     for r in range(rounds):  # ``rounds`` is a Python int: the loop unrolls when compiled
         product = multiplied * multipliers  # wraps mod 2**64: low 64 bits exact
-        high = torch.bitwise_right_shift(product, _SHIFT32)
+        high = torch.bitwise_right_shift(product, shift32)
         # Round key (k1 + r W1, k0 + r W0): its carries above bit 31 are masked with the rest.
-        high.bitwise_xor_(xored).bitwise_xor_(key + bumps[r]).bitwise_and_(_MASK32_T)
+        high.bitwise_xor_(xored).bitwise_xor_(key + bumps[r]).bitwise_and_(mask32)
         # New (c0, c2) = (hi(M1 c2) ^ c1 ^ k0, hi(M0 c0) ^ c3 ^ k1): the lanes swap.
         multiplied = high.flip(-1)
         # New (c3, c1) = (lo(M0 c0), lo(M1 c2)): the low words, already in (c3, c1) order.
         xored = product
-    return multiplied, xored & _MASK32_T
+    return multiplied, xored & mask32
