@@ -53,7 +53,8 @@ def block_sums(probs: Tensor) -> Tensor:
     parts = [probs[:, : full * BLOCK].reshape(batch, full, BLOCK).sum(-1, dtype=acc)]
     if vocab % BLOCK:
         parts.append(probs[:, full * BLOCK :].sum(-1, keepdim=True, dtype=acc))
-    return torch.cat(parts, dim=1).to(torch.float64)
+    sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return sums.to(torch.float64)
 
 
 # float16/bfloat16 rows are widened to float32 this many elements at a time (2 MiB): torch's
@@ -151,4 +152,6 @@ def inverse_cdf_draw(
             # so a block whose last positive entry was drawn becomes exactly 0.
             left = values.scatter(1, inner, 0.0).sum(-1, keepdim=True)
             sums = sums.scatter(1, block, left)
+    if num_samples == 1:  # skip two concatenations of one piece (per-op cost, small B)
+        return token_ids[0], genuine[0], total
     return torch.cat(token_ids, dim=1), torch.cat(genuine, dim=1), total

@@ -8,6 +8,7 @@ with the host unless ``check=True``.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -77,7 +78,8 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
         token_ids, genuine = race_draw(probs, num_samples, source)
     else:
         token_ids, genuine, total = inverse_cdf_draw(probs, num_samples, source, sums=sums)
-    clean = (smallest >= 0) & torch.isfinite(total) & (total > 0)
+    # `total > 0` fails for NaN and -inf, `total < inf` for +inf (one op each; isfinite is 3).
+    clean = (smallest >= 0) & (total > 0) & (total < math.inf)
 
     out_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
     token_probs = (probs.gather(1, token_ids).to(torch.float64) / total[:, None]).to(out_dtype)
