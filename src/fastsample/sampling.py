@@ -86,7 +86,8 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
     fallback = torch.arange(num_samples, device=probs.device).expand(batch, num_samples)
     token_ids = torch.where(clean[:, None], token_ids, fallback)
     token_probs = torch.where(clean[:, None] & genuine, token_probs, 0.0)
-    return SampleOutput(token_ids, token_probs, clean & genuine.all(-1))
+    all_genuine = genuine[:, 0] if num_samples == 1 else genuine.all(-1)
+    return SampleOutput(token_ids, token_probs, clean & all_genuine)
 
 
 def _checked_source(
