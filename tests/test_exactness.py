@@ -274,3 +274,26 @@ def test_zero_probability_check_rejects_leaky_sampler():
     leaky = row / row.sum() * 0.98 + 0.02 / row.numel()
     ids = fs.sample_from_probs(leaky.expand(50_000, -1), 1, generator=gen).token_ids
     assert int((row[ids] == 0).sum()) > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_all_tokens_drawn_is_a_permutation(method):
+    """num_samples == V: every row comes out as a permutation, first slot by its law."""
+    gen = torch.Generator().manual_seed(31)
+    row = torch.tensor([0.5, 0.1, 0.25, 0.15, 0.0001])
+    ids = fs.sample_from_probs(row.expand(100_000, -1), 5, generator=gen, method=method)
+    assert bool(ids.valid.all())
+    assert torch.equal(ids.token_ids.sort(-1).values, torch.arange(5).expand(100_000, -1))
+    counts = np.bincount(ids.token_ids[:, 0].numpy(), minlength=5)
+    assert_law(counts, row.double().numpy(), what=f"{method} first of a full permutation")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_float64_weights_below_float32_range(method):
+    """float64 rows are summed and raced in float64: 1e-300-scale weights keep their law."""
+    gen = torch.Generator().manual_seed(32)
+    row = torch.tensor([1e-300, 2e-300, 0.0, 3e-300, 4e-310], dtype=torch.float64)
+    out = fs.sample_from_probs(row.expand(200_000, -1), 1, generator=gen, method=method)
+    assert bool(out.valid.all())
+    counts = np.bincount(out.token_ids[:, 0].numpy(), minlength=5)
+    assert_law(counts, row.numpy(), what=f"{method} float64 tiny weights")
