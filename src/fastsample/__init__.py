@@ -18,6 +18,8 @@ holds every argument check; ``bench.py`` is ``python -m fastsample bench``.
 
 from .sampling import SampleOutput, fast_sample, sample_from_probs
 from .seeds import Stream, advance_step
+from .verify import TokenTree, TreeVerifyOutput, VerifyOutput, verify_chain, verify_tree
 
 __all__ = ["SampleOutput", "Stream", "advance_step", "fast_sample", "sample_from_probs"]
+__all__ += ["TokenTree", "TreeVerifyOutput", "VerifyOutput", "verify_chain", "verify_tree"]
 __version__ = "0.1.0"
