@@ -183,42 +183,60 @@ class TreeVerifyOutput(NamedTuple):
 # ---------------------------------------------------------------------------- randomness
 
 
+class _Seeds(NamedTuple):
+    """Checked per-request counters: ``(B,)`` int64 ``seed`` and ``step``."""
+
+    seed: Tensor
+    step: Tensor
+
+
 def _random_source(
     generator: object, seed: object, step: object, batch: int, device: torch.device
-) -> GeneratorSource | CounterSource:
-    """Check the randomness arguments (before any work) and build the source.
-
-    Seeded: one counter-based source over three virtual copies of the batch, one per stream
-    (``ACCEPT``, ``RECOVERY``, ``BONUS``): row ``b`` of each copy depends only on
-    ``seed[b]``, ``step[b]`` and the stream, and one Philox evaluation serves all three.
-    """
+) -> GeneratorSource | _Seeds:
+    """Check the randomness arguments (before any work): a generator source, or seeds."""
     v.check_generator(generator, device)
     source = make_source(generator, seed, step, None, batch, device)  # type: ignore[arg-type]
     if isinstance(source, GeneratorSource):
         return source
-    seeds, steps, _ = check_counter_args(seed, step, 0, batch, device)
-    streams = torch.tensor(
-        [int(Stream.ACCEPT), int(Stream.RECOVERY), int(Stream.BONUS)],
-        dtype=torch.int64,
-        device=device,
-    ).repeat_interleave(batch)
-    return CounterSource(seeds.repeat(3), steps.repeat(3), streams)
+    return _Seeds(*check_counter_args(seed, step, 0, batch, device)[:2])
+
+
+def _counters(seeds: _Seeds, streams: Sequence[Stream]) -> CounterSource:
+    """One counter source over ``len(streams)`` virtual copies of the batch, one per stream:
+    row ``b`` of each copy depends only on ``seed[b]``, ``step[b]`` and the stream."""
+    batch, copies = seeds.seed.shape[0], len(streams)
+    stream = torch.tensor([int(s) for s in streams], dtype=torch.int64, device=seeds.seed.device)
+    return CounterSource(
+        seeds.seed.repeat(copies), seeds.step.repeat(copies), stream.repeat_interleave(batch)
+    )
+
+
+# Up to this many acceptance uniforms per call, one Philox evaluation serves all three
+# streams (op count dominates); above, the final draw's streams, which need one uniform
+# each, get their own evaluation (volume dominates).
+_ONE_PHILOX_CALL_MAX = 8192
 
 
 def _uniforms(
-    source: GeneratorSource | CounterSource, batch: int, num_accept: int
+    source: GeneratorSource | _Seeds, batch: int, num_accept: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(accept (B, num_accept), recovery (B, 1), bonus (B, 1))`` float64 uniforms in [0, 1).
 
     Acceptance uniform ``i`` is counter ``i`` of the ``ACCEPT`` stream (draft position ``i``,
-    or tree node ``i + 1``); the final draw uses counter 0 of ``RECOVERY`` or ``BONUS``. A
-    ``torch.Generator`` gives all of them in one ``torch.rand`` call.
+    or tree node ``i + 1``); the final draw uses counter 0 of ``RECOVERY`` or ``BONUS``. The
+    values depend only on ``(seed, step, stream, counter)``, never on how they are batched.
+    A ``torch.Generator`` gives all of them in one ``torch.rand`` call.
     """
     if isinstance(source, GeneratorSource):
         u = source.row_uniforms(num_accept + 2)
         return u[:, :num_accept], u[:, num_accept : num_accept + 1], u[:, num_accept + 1 :]
-    u = source.row_uniforms(max(num_accept, 1))
-    return u[:batch, :num_accept], u[batch : 2 * batch, :1], u[2 * batch :, :1]
+    if num_accept <= 2 or batch * num_accept <= _ONE_PHILOX_CALL_MAX:
+        u = _counters(source, (Stream.ACCEPT, Stream.RECOVERY, Stream.BONUS))
+        u = u.row_uniforms(max(num_accept, 1))
+        return u[:batch, :num_accept], u[batch : 2 * batch, :1], u[2 * batch :, :1]
+    accept = _counters(source, (Stream.ACCEPT,)).row_uniforms(num_accept)
+    final = _counters(source, (Stream.RECOVERY, Stream.BONUS)).row_uniforms(1)
+    return accept, final[:batch], final[batch:]
 
 
 # ---------------------------------------------------------------------------- argument checks
@@ -516,6 +534,13 @@ def accept_drafts(u: Tensor, p_x: Tensor, q_x: Tensor | None) -> Tensor:
     return (scaled < p_x) & (p_x > 0)
 
 
+def accept_sibling(u: Tensor, left: Tensor, p_t: Tensor) -> Tensor:
+    """Tree mode a: accept with the target's probability among the tokens not yet rejected,
+    ``p(t) / left`` with ``left = 1 - (mass of the rejected siblings)``, as ``u * left < p(t)``
+    (strict, float64, ``p(t) > 0``)."""
+    return accept_drafts(u * left, p_t, None)
+
+
 # ---------------------------------------------------------------------------- tree
 
 
@@ -799,7 +824,7 @@ def _verify_tree(
             valid = valid & ((p_t >= 0) & (p_t < math.inf) | ~active)
             repeated = ((rejected_tokens == token) & (slots < num_rejected[:, None])).any(-1)
             p_t = torch.where(repeated, 0.0, p_t)  # an already rejected token has no mass left
-            accept = active & accept_drafts(u * left, p_t, None)
+            accept = active & accept_sibling(u, left, p_t)
             reject = active & ~accept
             left = torch.where(accept, 1.0, torch.where(reject, left - p_t, left))
         else:
