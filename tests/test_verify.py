@@ -707,3 +707,437 @@ def test_tree_batch_invariance_with_per_request_trees(mode):
     )
     for field in full._fields:
         assert torch.equal(getattr(host, field), getattr(full, field)[:1])
+
+
+# ---------------------------------------------------------------------------- bad input
+
+P3 = torch.full((2, 3, 5), 0.2)  # B=2, K=2, V=5
+X2 = torch.zeros(2, 2, dtype=torch.int64)
+Q2 = torch.full((2, 2, 5), 0.2)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,words",
+    [
+        (([[0.5]], X2), {}, TypeError, "target_probs must be a torch.Tensor"),
+        ((P3[0], X2), {}, ValueError, "target_probs must have shape (batch, K+1, vocab)"),
+        ((P3.long(), X2), {}, TypeError, "float16, bfloat16, float32 or float64"),
+        ((P3[:, :, :0], X2), {}, ValueError, "at least one vocabulary entry"),
+        ((P3[:, :0], X2[:, :0]), {}, ValueError, "K+1 >= 1 positions"),
+        ((P3, X2.float()), {}, TypeError, "draft_token_ids must be int64"),
+        ((P3, X2[:, :1]), {}, ValueError, "draft_token_ids must have shape (2, 2)"),
+        ((P3, [[0, 0], [0, 0]]), {}, TypeError, "draft_token_ids must be an int64 tensor"),
+        ((P3, X2, Q2[:, :1]), {}, ValueError, "draft_probs must have shape (batch, K, vocab)"),
+        ((P3, X2, Q2[0]), {}, ValueError, "draft_probs must have shape"),
+        ((P3, X2, Q2.long()), {}, TypeError, "draft_probs must be float16"),
+        ((P3, X2), {"draft_lengths": 3}, ValueError, "draft_lengths must be between 0 and 2"),
+        ((P3, X2), {"draft_lengths": True}, TypeError, "draft_lengths must be None, an int"),
+        ((P3, X2), {"draft_lengths": torch.ones(3).long()}, ValueError, "shape (2,)"),
+        ((P3, X2), {"draft_lengths": torch.ones(2)}, TypeError, "draft_lengths must be int64"),
+        ((P3, X2), {"seed": 1, "generator": torch.Generator()}, ValueError, "mutually exclusive"),
+        ((P3, X2), {"step": 1}, ValueError, "step was given without seed"),
+        ((P3, X2), {"seed": torch.arange(3)}, ValueError, "seed must have shape (2,)"),
+        ((P3, X2), {"generator": 1}, TypeError, "generator must be a torch.Generator"),
+        ((P3, X2), {"check": 1}, TypeError, "check must be True or False"),
+    ],
+)
+def test_chain_argument_errors(args, kwargs, error, words):
+    with pytest.raises(error) as info:
+        fs.verify_chain(*args, **kwargs)
+    assert words in str(info.value)
+
+
+def test_errors_come_before_any_random_draw():
+    gen = torch.Generator().manual_seed(3)
+    want = fs.verify_chain(P3, X2, Q2, generator=gen).token_ids
+    gen.manual_seed(3)
+    with pytest.raises(ValueError):
+        fs.verify_chain(P3, X2 + 9, Q2, generator=gen, check=True)
+    with pytest.raises(ValueError):
+        fs.verify_tree(P3, fs.TokenTree(X2.repeat(1, 2)[:, :3], [-1, 0, 2]), generator=gen)
+    assert torch.equal(fs.verify_chain(P3, X2, Q2, generator=gen).token_ids, want)
+
+
+@pytest.mark.parametrize(
+    "change,words,flagged",
+    [
+        ({"ids": (1, 0, 5)}, "row 1 draft position 0 has an id outside [0, 5)", 1),
+        ({"ids": (0, 1, -1)}, "row 0 draft position 1 has an id outside [0, 5)", 1),
+        ({"target": (1, 2, 0, NAN)}, "row 1 target_probs position 2 contains NaN", 1),
+        ({"target": (0, 0, 3, -0.1)}, "row 0 target_probs position 0 contains negative", 0),
+        ({"draft": (1, 1, 3, INF)}, "row 1 draft_probs position 1 contains +-inf", 0),
+        ({"draft": (1, 1, 0, INF)}, "row 1 draft_probs position 1 contains +-inf", 1),
+        ({"lengths": torch.tensor([2, 3])}, "row 1 draft_lengths 0 outside [0, 2]", 1),
+    ],
+)
+def test_chain_check_true_names_the_first_bad_row(change, words, flagged):
+    """check=True reads every used row. Without it, only the values the verifier reads
+    are judged: here p == q, so every draft is accepted and the bad entries off the drafted
+    tokens at positions 0 and 1 are never read (flagged == 0)."""
+    p, x, q = P3.clone(), X2.clone(), Q2.clone()
+    lengths = change.get("lengths")
+    if "ids" in change:
+        b, k, value = change["ids"]
+        x[b, k] = value
+    if "target" in change:
+        b, k, i, value = change["target"]
+        p[b, k, i] = value
+    if "draft" in change:
+        b, k, i, value = change["draft"]
+        q[b, k, i] = value
+    with pytest.raises(ValueError) as info:
+        fs.verify_chain(p, x, q, draft_lengths=lengths, seed=1, check=True)
+    assert words in str(info.value)
+    out = fs.verify_chain(p, x, q, draft_lengths=lengths, seed=1)
+    assert out.valid.tolist().count(False) == flagged
+
+
+def test_chain_padding_is_never_judged():
+    """Garbage after draft_lengths (ids, draft rows, target rows) is ignored, even by
+    check=True; the bonus position's target row is used and judged."""
+    p, x, q = P3.clone(), X2.clone(), Q2.clone()
+    lengths = torch.tensor([0, 1])
+    x[0] = -7
+    q[0] = NAN
+    p[0, 1:] = NAN
+    x[1, 1] = 99
+    q[1, 1] = -1
+    p[1, 2] = INF
+    out = fs.verify_chain(p, x, q, draft_lengths=lengths, seed=1, check=True)
+    assert out.valid.tolist() == [True, True]
+
+
+def bad_rows_batch():
+    target, tokens, draft = random_chain_batch(8, 3, 300, seed=9)
+    target[1, 0, 7] = NAN  # gathered or recovery row: row 1 bad
+    target[1, :, :] = torch.where(torch.arange(300) == 7, NAN, target[1])
+    target[2, :, 5] = -0.5
+    target[3] = 0
+    draft[4, :, 2] = INF
+    tokens[5, 1] = 300  # out of range
+    target[6, :, 0] = INF
+    draft[7] = NAN
+    return target, tokens, draft
+
+
+def test_chain_bad_rows_are_flagged_and_other_rows_unchanged():
+    target, tokens, draft = bad_rows_batch()
+    clean_target, clean_tokens, clean_draft = random_chain_batch(8, 3, 300, seed=9)
+    seeds = torch.arange(8) * 3
+    out = fs.verify_chain(target, tokens, draft, seed=seeds)
+    clean = fs.verify_chain(clean_target, clean_tokens, clean_draft, seed=seeds)
+    assert out.valid.tolist() == [True] + [False] * 7
+    for field in out._fields:
+        assert torch.equal(getattr(out, field)[0], getattr(clean, field)[0])
+    assert bool((out.token_ids[1:] == -1).all()) and out.num_emitted[1:].max() == 0
+    # Point-mass drafts: same policy (row 4 and 7 only had bad draft rows: valid now).
+    out = fs.verify_chain(target, tokens, None, seed=seeds)
+    clean = fs.verify_chain(clean_target, clean_tokens, None, seed=seeds)
+    assert out.valid.tolist() == [True, False, False, False, True, False, False, True]
+    for row in (0, 4, 7):
+        assert torch.equal(out.token_ids[row], clean.token_ids[row])
+
+
+def test_chain_fuzz_garbage_rows_stay_in_range():
+    gen = torch.Generator().manual_seed(12)
+    batch, k, vocab = 400, 3, 37
+    values = torch.tensor([0.0, 1.0, -1.0, NAN, INF, -INF, 1e-30, 1e30])
+    target = values[torch.randint(0, 8, (batch, k + 1, vocab), generator=gen)]
+    draft = values[torch.randint(0, 8, (batch, k, vocab), generator=gen)]
+    tokens = torch.randint(-3, vocab + 3, (batch, k), generator=gen)
+    for q in (draft, None):
+        out = fs.verify_chain(target, tokens, q, seed=torch.arange(batch))
+        ids = out.token_ids
+        assert bool(((ids == -1) | ((ids >= 0) & (ids < vocab))).all())
+        assert bool((out.num_emitted <= k + 1).all())
+
+
+@pytest.mark.parametrize(
+    "parents,error,words",
+    [
+        ([-1, 0, 2], ValueError, "node 2 has parent 2, which is not listed before it"),
+        ([-1, 2, 1], ValueError, "node 1 has parent 2, which is not listed before it"),
+        ([-1, 0, -1], ValueError, "node 2 has parent -1"),
+        ([-1, 0, 7], ValueError, "node 2 has parent 7"),
+        ([0, 0, 1], ValueError, "parents[0] must be -1"),
+        ([-1, 0], ValueError, "tree.parents has 2 entries but target_probs has 3 nodes"),
+        ([-1, 0, 1.0], TypeError, "tree.parents must hold ints"),
+        (torch.tensor([-1, 0, 1.0]), TypeError, "tree.parents must be int64"),
+        (torch.tensor([[-1, 0, 1]] * 3), ValueError, "tree.parents must have shape (3,) or (2, 3)"),
+        ("010", TypeError, "tree.parents must be a list of ints or an int64 tensor"),
+    ],
+)
+def test_malformed_host_trees_raise(parents, error, words):
+    tokens = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(error) as info:
+        fs.verify_tree(P3, fs.TokenTree(tokens, parents), seed=1)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "tree,draft,kwargs,error,words",
+    [
+        ((X2, [-1, 0, 1]), None, {}, ValueError, "tree.token_ids must have shape (2, 3)"),
+        ((X2.float(), [-1, 0]), None, {}, TypeError, "tree.token_ids must be int64"),
+        ((None, [-1, 0, 1], 0), None, {}, ValueError, "tree.num_nodes must be between 1 and 3"),
+        ((None, [-1, 0, 1]), Q2, {}, ValueError, "draft_probs must have shape (2, 3, 5)"),
+        ((None, [-1, 0, 1]), None, {"seed": 1.5}, TypeError, "seed must be an int"),
+    ],
+)
+def test_tree_argument_errors(tree, draft, kwargs, error, words):
+    tokens = torch.zeros(2, 3, dtype=torch.int64) if tree[0] is None else tree[0]
+    with pytest.raises(error) as info:
+        fs.verify_tree(P3, fs.TokenTree(tokens, *tree[1:]), draft, **kwargs)
+    assert words in str(info.value)
+    with pytest.raises(TypeError, match=r"tree must be a fastsample\.TokenTree"):
+        fs.verify_tree(P3, (tokens, [-1, 0, 1]))
+
+
+def test_malformed_tensor_trees_are_flagged_or_raise_with_check():
+    gen = torch.Generator().manual_seed(1)
+    batch, n, vocab = 6, 5, 11
+    target = torch.softmax(torch.randn(batch, n, vocab, generator=gen), -1)
+    draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen), -1)
+    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    parents = torch.tensor([-1, 0, 0, 1, 2]).repeat(batch, 1)
+    parents[1, 3] = 3  # itself: a cycle
+    parents[2, 2] = 4  # a parent listed after its child
+    parents[3, 4] = -1  # an orphan
+    tokens[4, 2] = vocab  # a token out of range
+    sizes = torch.tensor([5, 5, 5, 5, 5, 9])  # row 5: num_nodes out of range
+    tree = fs.TokenTree(tokens, parents, sizes)
+    seeds = torch.arange(batch)
+    for q in (None, draft):
+        out = fs.verify_tree(target, tree, q, seed=seeds)
+        assert out.valid.tolist() == [True] + [False] * 5
+        assert bool((out.token_ids[1:] == -1).all())
+        clean = fs.verify_tree(
+            target[:1],
+            fs.TokenTree(tokens[:1], parents[:1]),
+            None if q is None else q[:1],
+            seed=seeds[:1],
+        )
+        for field in out._fields:
+            assert torch.equal(getattr(out, field)[:1], getattr(clean, field))
+    messages = [
+        (1, "row 1 tree node 3 has a parent outside [0, node)"),
+        (2, "row 2 tree node 2 has a parent outside [0, node)"),
+        (3, "row 3 tree node 4 has a parent outside [0, node)"),
+        (4, "row 4 tree node 2 has a token id outside [0, 11)"),
+        (5, "row 5 num_nodes 0 is outside [1, 5]"),
+    ]
+    for row, words in messages:
+        rows = torch.tensor([0, row])
+        sub = fs.TokenTree(tokens[rows], parents[rows], sizes[rows])
+        with pytest.raises(ValueError) as info:
+            fs.verify_tree(target[rows], sub, seed=1, check=True)
+        assert words.replace(f"row {row}", "row 1") in str(info.value)
+
+
+def test_tree_check_true_on_values_and_duplicate_siblings():
+    gen = torch.Generator().manual_seed(2)
+    target = torch.softmax(torch.randn(2, 4, 9, generator=gen), -1)
+    draft = torch.softmax(torch.randn(2, 4, 9, generator=gen), -1)
+    tokens = torch.tensor([[0, 1, 2, 3], [0, 4, 4, 5]])
+    tree = fs.TokenTree(tokens, [-1, 0, 0, 1])
+    fs.verify_tree(target, tree, check=True)  # duplicates are fine in mode a
+    with pytest.raises(ValueError, match="row 1 tree node 2 repeats a sibling's token"):
+        fs.verify_tree(target, tree, draft, check=True)
+    draft[0, 1, 3] = NAN  # node 1 has a child: its draft row is used
+    with pytest.raises(ValueError, match="row 0 draft_probs node 1 contains NaN"):
+        fs.verify_tree(target[:1], fs.TokenTree(tokens[:1], [-1, 0, 0, 1]), draft[:1], check=True)
+    draft[0, 3] = NAN  # node 3 is a leaf: its draft row is never read
+    draft[0, 1, 3] = 0.1
+    fs.verify_tree(target[:1], fs.TokenTree(tokens[:1], [-1, 0, 0, 1]), draft[:1], check=True)
+    target[1, 2, 0] = -INF
+    with pytest.raises(ValueError, match="row 1 target_probs node 2 contains"):
+        fs.verify_tree(target, tree, check=True)
+
+
+def test_tree_bad_values_flag_only_their_row():
+    gen = torch.Generator().manual_seed(3)
+    parents = TREES["irregular"]
+    batch, n, vocab = 40, len(parents), 30
+    target = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
+    draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
+    tokens = draft.argmax(-1)  # likely tokens, so walks go deep
+    seeds = torch.arange(batch)
+    for q in (None, draft):
+        clean = fs.verify_tree(target, fs.TokenTree(tokens, parents), q, seed=seeds)
+        bad_target = target.clone()
+        bad_target[5] = NAN
+        bad_target[9, :, 3] = -1.0
+        out = fs.verify_tree(bad_target, fs.TokenTree(tokens, parents), q, seed=seeds)
+        assert out.valid.tolist() == [row not in (5, 9) for row in range(batch)]
+        keep = torch.tensor([row not in (5, 9) for row in range(batch)])
+        for field in out._fields:
+            assert torch.equal(getattr(out, field)[keep], getattr(clean, field)[keep])
+
+
+# ---------------------------------------------------------------------------- graph safety
+
+
+@pytest.fixture
+def eager_equivalent_random():
+    # Inductor normally swaps in its own RNG; fallback_random keeps torch.rand's stream so
+    # compiled and eager results can be compared bitwise.
+    old = torch._inductor.config.fallback_random
+    torch._inductor.config.fallback_random = True
+    torch._dynamo.reset()
+    yield
+    torch._inductor.config.fallback_random = old
+
+
+def compile_batch():
+    target, tokens, draft = random_chain_batch(6, 3, 700, seed=13)
+    target[2, :, 9] = NAN  # a bad row goes through the compiled graph too
+    return target, tokens, draft, torch.tensor([3, 3, 3, 1, 0, 2])
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_chain_fullgraph_seeded_matches_eager(eager_equivalent_random, with_probs):
+    target, tokens, draft, lengths = compile_batch()
+    q = draft if with_probs else None
+
+    def run(p, x, d, n, s, t):
+        return fs.verify_chain(p, x, d, draft_lengths=n, seed=s, step=t)
+
+    backend = "inductor" if with_probs else "aot_eager"  # inductor once, to bound test time
+    compiled = torch.compile(run, fullgraph=True, backend=backend)
+    seeds, step = torch.arange(6) * 11, torch.zeros(6, dtype=torch.int64)
+    for _ in range(2):
+        got, want = (
+            compiled(target, tokens, q, lengths, seeds, step),
+            run(target, tokens, q, lengths, seeds, step),
+        )
+        for field in want._fields:
+            assert torch.equal(getattr(got, field), getattr(want, field))
+        fs.advance_step(step)
+    assert got.valid.tolist() == [True, True, False, True, True, True]
+
+
+def test_chain_fullgraph_generator_free_matches_eager(eager_equivalent_random):
+    target, tokens, draft, _ = compile_batch()
+    compiled = torch.compile(lambda p, x, d: fs.verify_chain(p, x, d), fullgraph=True)
+    torch.manual_seed(5)
+    got = compiled(target, tokens, draft)
+    torch.manual_seed(5)
+    want = fs.verify_chain(target, tokens, draft)
+    for field in want._fields:
+        assert torch.equal(getattr(got, field), getattr(want, field))
+
+
+@pytest.mark.parametrize("mode", ["a", "b"])
+@pytest.mark.parametrize("shared", [True, False], ids=["host-parents", "tensor-parents"])
+def test_tree_fullgraph_matches_eager(eager_equivalent_random, mode, shared):
+    gen = torch.Generator().manual_seed(14)
+    parents = [-1, 0, 0, 1, 1, 2]
+    batch, n, vocab = 5, len(parents), 300
+    target = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
+    draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
+    tokens = draft.argmax(-1)
+    tree_parents = parents if shared else torch.tensor(parents).repeat(batch, 1)
+    sizes = torch.tensor([6, 6, 3, 1, 5])
+    q = draft if mode == "b" else None
+
+    def run(p, tok, d, sz, s):
+        return fs.verify_tree(p, fs.TokenTree(tok, tree_parents, sz), d, seed=s, step=1)
+
+    # aot_eager traces with fake tensors (no graph break, no data-dependent shape) without
+    # inductor's code generation, which the chain tests already exercise.
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    seeds = torch.arange(batch)
+    got, want = compiled(target, tokens, q, sizes, seeds), run(target, tokens, q, sizes, seeds)
+    for field in want._fields:
+        assert torch.equal(getattr(got, field), getattr(want, field))
+
+
+def capture(fn):
+    """Warm up on a side stream, then capture ``fn`` with host syncs turned into errors."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")  # the step only, not the capture's own sync
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return graph, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_chain_cuda_graph_capture_replays_fresh_exact_draws(with_probs):
+    model = ToyModel("mixed", V_CHAIN)
+    batch, k = 65_536, 2
+    keys = model.start_keys(batch)
+    target, draft, tokens = [], [], []
+    gen = torch.Generator().manual_seed(0)
+    key = keys
+    for _ in range(k):
+        target.append(model.target[key])
+        draft.append(model.draft[key])
+        tokens.append(torch.multinomial(draft[-1], 1, generator=gen)[:, 0])
+        key = model.child(key, tokens[-1])
+    target.append(model.target[key])
+    cuda = torch.device("cuda")
+    p = torch.stack(target, 1).float().to(cuda)
+    q = torch.stack(draft, 1).float().to(cuda) if with_probs else None
+    x = torch.stack(tokens, 1).to(cuda)
+    seeds = torch.arange(batch, device=cuda)
+    step = torch.zeros(batch, dtype=torch.int64, device=cuda)
+
+    def decode():
+        out = fs.verify_chain(p, x, q, seed=seeds, step=step)
+        fs.advance_step(step)
+        return out
+
+    graph, out = capture(decode)
+    step.zero_()
+    counts = np.zeros(GROUPS * V_CHAIN)
+    previous = None
+    for replay in range(6):
+        graph.replay()
+        ids = out.token_ids[:, 0].clone()
+        assert previous is None or not torch.equal(ids, previous), "replay repeated noise"
+        previous = ids
+        eager = fs.verify_chain(p, x, q, seed=seeds, step=replay)
+        assert torch.equal(out.token_ids, eager.token_ids)
+        group = torch.arange(batch, device=cuda) % GROUPS
+        counts += torch.bincount(group * V_CHAIN + ids, minlength=counts.size).cpu().numpy()
+    assert_law(counts, model.exact_laws()[0], what="captured verify_chain")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["a", "b"])
+def test_tree_cuda_graph_capture(mode):
+    cuda = torch.device("cuda")
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    parents = TREES["irregular"]
+    batch, n, vocab = 64, len(parents), 32000
+    target = torch.softmax(torch.randn(batch, n, vocab, device=cuda, generator=gen) * 3, -1)
+    draft = torch.softmax(torch.randn(batch, n, vocab, device=cuda, generator=gen) * 3, -1)
+    tree = fs.TokenTree(draft.argmax(-1), torch.tensor(parents, device=cuda))
+    target[3, 0] = NAN
+    seeds = torch.arange(batch, device=cuda)
+    step = torch.zeros(batch, dtype=torch.int64, device=cuda)
+    q = draft if mode == "b" else None
+
+    def decode():
+        out = fs.verify_tree(target, tree, q, seed=seeds, step=step)
+        fs.advance_step(step)
+        return out
+
+    graph, out = capture(decode)
+    step.zero_()
+    for replay in range(3):
+        graph.replay()
+        eager = fs.verify_tree(target, tree, q, seed=seeds, step=replay)
+        for field in eager._fields:
+            assert torch.equal(getattr(out, field), getattr(eager, field))
+    assert out.valid.tolist() == [row != 3 for row in range(batch)]
