@@ -31,10 +31,10 @@ from torch import Tensor
 
 from .inverse_cdf import BLOCK, block_sums
 
-# CPU rows are gathered and reduced this many elements at a time (4 MiB of float32): the
+# CPU rows are gathered and reduced this many elements at a time (8 MiB of float32): the
 # pieces stay in cache and the allocator reuses them, where one (B, V) temporary per call
 # would be page-faulted anew every time.
-PIECE_ELEMENTS = 1 << 20
+PIECE_ELEMENTS = 1 << 21
 
 
 def work_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -70,15 +70,26 @@ def summarize(
     """
     batch, vocab = target_rows.shape[0], target.shape[1]
     work = work_dtype(target, draft)
+    pieces = row_pieces(batch, vocab, target.device)
+    rows = pieces[0].stop - pieces[0].start if pieces else 0  # the first piece is the largest
+    tables = [(target, target_rows)]
+    if draft is not None and draft_rows is not None:
+        tables.append((draft, draft_rows))
+    scratch = _scratch([table for table, _ in tables], rows, vocab, work)
     sums_p, sums_r, ok_p, ok_q = [], [], [], []
-    for piece in row_pieces(batch, vocab, target.device):
-        p = target.index_select(0, target_rows[piece]).to(work)
+    for piece in pieces:
+        size = piece.stop - piece.start
+        gathered = []
+        for (table, table_rows), (raw, wide) in zip(tables, scratch, strict=True):
+            rows_here = torch.index_select(table, 0, table_rows[piece], out=raw[:size])
+            gathered.append(rows_here if wide is None else wide[:size].copy_(rows_here))
+        p = gathered[0]
         sums_p.append(block_sums(p))
         ok_p.append(p.amin(-1) >= 0)  # NaN fails too; +inf shows in the sums
-        if draft is not None and draft_rows is not None:
-            q = draft.index_select(0, draft_rows[piece]).to(work)
-            # amin catches NaN and negatives, amax catches +inf (which max(p - q, 0) hides).
-            ok_q.append((q.amin(-1) >= 0) & (q.amax(-1) < torch.inf))
+        if len(gathered) == 2:
+            q = gathered[1]
+            # amin catches NaN and negatives, the sum +inf (which max(p - q, 0) hides).
+            ok_q.append((q.amin(-1) >= 0) & (q.sum(-1) < torch.inf))
             residual = torch.sub(p, q, out=q).clamp_(min=0)
             sums_r.append(block_sums(residual))
     if not sums_p:  # an empty batch
@@ -94,6 +105,29 @@ def summarize(
         cat(ok_p),
         cat(ok_q) if ok_q else None,
     )
+
+
+def _scratch(
+    tables: list[Tensor], rows: int, vocab: int, work: torch.dtype
+) -> list[tuple[Tensor, Tensor | None]]:
+    """Per table: a ``(rows, V)`` buffer of its dtype to gather into and, if that is not
+    ``work``, a ``(rows, V)`` buffer of ``work`` to widen into.
+
+    Everything lives in ONE allocation: on CPU, glibc then keeps the freed block for the next
+    call (it returns the heap top to the OS only above twice the largest block), where
+    separate buffers would be unmapped and page-faulted again on every call.
+    """
+    slots = len(tables) + sum(table.dtype != work for table in tables)
+    memory = torch.empty(slots, rows, vocab, dtype=work, device=tables[0].device)
+    out, extra = [], len(tables)
+    for i, table in enumerate(tables):
+        if table.dtype == work:
+            out.append((memory[i], None))
+        else:  # gather into the front of a spare slot, widen into the table's own slot
+            raw = memory[extra].view(-1).view(table.dtype)[: rows * vocab].view(rows, vocab)
+            out.append((raw, memory[i]))
+            extra += 1
+    return out
 
 
 def gather_block(table: Tensor, rows: Tensor, columns: Tensor) -> Tensor:
