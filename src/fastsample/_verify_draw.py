@@ -158,7 +158,7 @@ def sums_without(
     columns = blocks[:, :, None] * BLOCK + torch.arange(width, device=rows.device)  # (B, M, W)
     inside = columns < vocab
     batch, count = removed.shape
-    values = gather_block(target, rows, columns.clamp_max(vocab - 1).view(batch, -1))
+    values = gather_block(target, rows, columns.clamp_max(vocab - 1).view(batch, count * width))
     values = values.view(batch, count, width).to(torch.float64) * inside
     gone = removed_token_mask(columns, removed, removed_mask)
     left = values.masked_fill(gone, 0.0).sum(-1)  # (B, M)
