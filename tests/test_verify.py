@@ -418,28 +418,29 @@ def test_tree_control_mode_a_siblings_not_renormalized(models, monkeypatch):
 
 
 def test_tree_control_mode_b_residual_not_renormalized(models, monkeypatch):
-    def unnormalized(target, draft, token, reject):
-        residual = (target - draft).clamp(min=0)
-        keep = reject[:, None] & (residual.sum(-1, keepdim=True) > 0)
-        removed = draft.scatter(1, token, 0.0)
-        removed = removed / removed.sum(-1, keepdim=True).clamp(min=1e-300)
-        return torch.where(keep, residual, target), torch.where(reject[:, None], removed, draft)
+    """After a rejection, testing the next sibling against max(p - q, 0) without dividing by
+    its mass."""
+    real = verify_mod.accept_child
 
-    monkeypatch.setattr(verify_mod, "_after_rejection", unnormalized)
+    def unnormalized(u, w_t, q_t, mass, draft_mass):
+        return real(u, w_t, q_t, torch.ones_like(mass), draft_mass)
+
+    monkeypatch.setattr(verify_mod, "accept_child", unnormalized)
     model = models("mixed", V_TREE)
     trial = tree_trial(model, TREE_BATCH, TREES["irregular"], seed=31, mode="b", children="sampled")
     assert any(laws_rejected(model, trial))
 
 
-def test_tree_control_mode_b_draft_not_updated(models, monkeypatch):
-    """The i.i.d.-children rule (q unchanged after a rejection) on children drawn without
-    replacement."""
-    real = verify_mod._after_rejection
-
-    def iid_rule(target, draft, token, reject):
-        return real(target, draft, token, reject)[0], draft
-
-    monkeypatch.setattr(verify_mod, "_after_rejection", iid_rule)
+def test_tree_control_mode_b_draft_not_renormalized(models, monkeypatch):
+    """Keeping q as it was after a rejection (the rule for children drawn with replacement)
+    on children drawn without replacement."""
+    accept, update = verify_mod.accept_child, verify_mod.next_coefficient
+    monkeypatch.setattr(
+        verify_mod, "accept_child", lambda u, w, q, m, d: accept(u, w, q, m, torch.ones_like(d))
+    )
+    monkeypatch.setattr(
+        verify_mod, "next_coefficient", lambda c, m, d: update(c, m, torch.ones_like(d))
+    )
     model = models("mixed", V_TREE)
     trial = tree_trial(model, TREE_BATCH, TREES["irregular"], seed=31, mode="b", children="sampled")
     assert any(laws_rejected(model, trial))

@@ -51,23 +51,46 @@ def row_pieces(batch: int, vocab: int, device: torch.device) -> list[slice]:
     return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
 
 
+class Weights(NamedTuple):
+    """The weights ``w(y) = max(p(y) - c q(y), 0)``, except ``w(y) = frozen`` for removed tokens.
+
+    ``coef`` is ``c`` per row (float64, rounded to the working precision before use; None means
+    1, the plain residual); ``removed (B, M)`` int64 tokens in ``[0, V)``, taken into account
+    where ``removed_mask (B, M)``; ``frozen (B, M)`` float64, their weights (same scale as w).
+    Tree mode b uses them for recursive rejection sampling without updating ``(B, V)`` rows.
+    """
+
+    coef: Tensor | None = None
+    removed: Tensor | None = None
+    removed_mask: Tensor | None = None
+    frozen: Tensor | None = None
+
+
 class Summary(NamedTuple):
     """Per-row summaries of the gathered rows (all ``(B, ...)``)."""
 
     target_sums: Tensor  # (B, n_blocks) float64 block sums of the target row
-    residual_sums: Tensor | None  # (B, n_blocks) float64 block sums of max(p - q, 0)
+    residual_sums: Tensor | None  # (B, n_blocks) float64 block sums of w (removed tokens: 0)
     target_ok: Tensor  # (B,) bool: target row has no NaN and no negative entry
     draft_ok: Tensor | None  # (B,) bool: draft row has no NaN, no negative, no +inf
+    draft_mass: Tensor | None  # (B,) float64: draft mass of the tokens not removed
 
 
 def summarize(
-    target: Tensor, target_rows: Tensor, draft: Tensor | None, draft_rows: Tensor | None
+    target: Tensor,
+    target_rows: Tensor,
+    draft: Tensor | None,
+    draft_rows: Tensor | None,
+    weights: Weights | None = None,
 ) -> Summary:
-    """Block sums of ``target[target_rows]`` and of ``max(target - draft, 0)`` at the paired rows.
+    """Block sums of ``p = target[target_rows]`` and of the :class:`Weights` at the paired
+    draft rows ``q = draft[draft_rows]`` (default: ``max(p - q, 0)``).
 
     ``target`` and ``draft`` are contiguous ``(R, V)`` tables of rows; ``*_rows`` are ``(B,)``
-    int64 indices into them. Each output row depends only on its own two input rows.
+    int64 indices into them. Each output row depends only on its own input rows. The block sums
+    of the weights leave the removed tokens out (0); add their frozen weights to use them.
     """
+    weights = weights if weights is not None else Weights()
     batch, vocab = target_rows.shape[0], target.shape[1]
     work = work_dtype(target, draft)
     pieces = row_pieces(batch, vocab, target.device)
@@ -76,7 +99,11 @@ def summarize(
     if draft is not None and draft_rows is not None:
         tables.append((draft, draft_rows))
     scratch = _scratch([table for table, _ in tables], rows, vocab, work)
-    sums_p, sums_r, ok_p, ok_q = [], [], [], []
+    coef = weights.coef.to(work)[:, None] if weights.coef is not None else None
+    keep = None
+    if weights.removed is not None and weights.removed_mask is not None:
+        keep = (~weights.removed_mask).to(work)  # multiplies removed tokens by 0, others by 1
+    sums_p, sums_r, ok_p, ok_q, mass_q = [], [], [], [], []
     for piece in pieces:
         size = piece.stop - piece.start
         gathered = []
@@ -88,23 +115,31 @@ def summarize(
         ok_p.append(p.amin(-1) >= 0)  # NaN fails too; +inf shows in the sums
         if len(gathered) == 2:
             q = gathered[1]
-            # amin catches NaN and negatives, the sum +inf (which max(p - q, 0) hides).
-            ok_q.append((q.amin(-1) >= 0) & (q.sum(-1) < torch.inf))
+            ok = q.amin(-1) >= 0  # NaN and negatives
+            if keep is not None and weights.removed is not None:
+                # Removed tokens leave both rows (a product with 0 or 1: duplicates are fine).
+                p.scatter_reduce_(1, weights.removed[piece], keep[piece], "prod")
+                q.scatter_reduce_(1, weights.removed[piece], keep[piece], "prod")
+            mass = q.sum(-1)
+            ok_q.append(ok & (mass < torch.inf))  # +inf, which max(p - q, 0) would hide
+            mass_q.append(mass.to(torch.float64))
+            if coef is not None:
+                q.mul_(coef[piece])  # c q, then p - c q: two roundings, as in weight_values
             residual = torch.sub(p, q, out=q).clamp_(min=0)
             sums_r.append(block_sums(residual))
+    with_draft = len(tables) == 2
     if not sums_p:  # an empty batch
         nb = -(-vocab // BLOCK)
         empty = torch.zeros(0, nb, dtype=torch.float64, device=target.device)
         flag = torch.zeros(0, dtype=torch.bool, device=target.device)
-        with_draft = draft is not None
-        return Summary(empty, empty if with_draft else None, flag, flag if with_draft else None)
+        none = torch.zeros(0, dtype=torch.float64, device=target.device)
+        if not with_draft:
+            return Summary(empty, None, flag, None, None)
+        return Summary(empty, empty, flag, flag, none)
     cat = torch.cat
-    return Summary(
-        cat(sums_p),
-        cat(sums_r) if sums_r else None,
-        cat(ok_p),
-        cat(ok_q) if ok_q else None,
-    )
+    if not with_draft:
+        return Summary(cat(sums_p), None, cat(ok_p), None, None)
+    return Summary(cat(sums_p), cat(sums_r), cat(ok_p), cat(ok_q), cat(mass_q))
 
 
 def _scratch(
@@ -136,9 +171,13 @@ def gather_block(table: Tensor, rows: Tensor, columns: Tensor) -> Tensor:
     return table.view(-1).gather(0, flat.reshape(-1)).view(columns.shape)
 
 
-def residual_values(p: Tensor, q: Tensor, work: torch.dtype) -> Tensor:
-    """``max(p - q, 0)`` in ``work`` precision, bit-identical to what :func:`summarize` sums."""
-    return (p.to(work) - q.to(work)).clamp_(min=0)
+def weight_values(p: Tensor, q: Tensor, work: torch.dtype, coef: Tensor | None = None) -> Tensor:
+    """``max(p - c q, 0)`` in ``work`` precision (``c = 1`` if ``coef`` is None), with the same
+    elementwise operations, hence the same bits, as :func:`summarize`. ``coef``: ``(B,)``."""
+    q = q.to(work)
+    if coef is not None:
+        q = q * coef.to(work).view(-1, *([1] * (q.dim() - 1)))
+    return (p.to(work) - q).clamp_(min=0)
 
 
 def sums_without(
@@ -216,6 +255,14 @@ class Recovery(NamedTuple):
     ok: Tensor  # (B,) bool: the rows read were clean and the chosen weights have mass
 
 
+def frozen_block_sums(sums: Tensor, weights: Weights) -> Tensor:
+    """Add the removed tokens' frozen weights to block sums that left them out."""
+    if weights.removed is None or weights.removed_mask is None or weights.frozen is None:
+        return sums
+    added = torch.where(weights.removed_mask, weights.frozen, 0.0)
+    return sums.scatter_add(1, weights.removed // BLOCK, added)
+
+
 def draw_residual(
     target: Tensor,
     target_rows: Tensor,
@@ -223,17 +270,21 @@ def draw_residual(
     draft_rows: Tensor,
     use_residual: Tensor,
     uniform: Tensor,
+    weights: Weights | None = None,
 ) -> Recovery:
-    """Per row: a draw from ``max(p - q, 0)`` where ``use_residual`` (and the residual has
-    mass), else from ``p``; ``p = target[target_rows]``, ``q = draft[draft_rows]``.
+    """Per row: a draw from the :class:`Weights` (default ``max(p - q, 0)``) where
+    ``use_residual`` and they have mass, else from ``p``; ``p = target[target_rows]``,
+    ``q = draft[draft_rows]``.
 
     The draft row is only judged (NaN, negative, +inf) for rows that use the residual.
     """
+    weights = weights if weights is not None else Weights()
     vocab = target.shape[1]
     work = work_dtype(target, draft)
-    summary = summarize(target, target_rows, draft, draft_rows)
+    summary = summarize(target, target_rows, draft, draft_rows, weights)
     assert summary.residual_sums is not None and summary.draft_ok is not None
-    sums_p, sums_r = summary.target_sums, summary.residual_sums
+    sums_p = summary.target_sums
+    sums_r = frozen_block_sums(summary.residual_sums, weights)
     total_p = sums_p.sum(-1)
     # A residual without mass (p <= q everywhere: p == q up to rounding) means the rejection
     # had probability 0; draw from p then, so the output stays a valid token.
@@ -242,8 +293,16 @@ def draw_residual(
 
     def values_of(columns: Tensor) -> Tensor:
         p = gather_block(target, target_rows, columns)
-        r = residual_values(p, gather_block(draft, draft_rows, columns), work)
-        return torch.where(residual[:, None], r, p.to(work)).to(torch.float64)
+        q = gather_block(draft, draft_rows, columns)
+        w = weight_values(p, q, work, weights.coef).to(torch.float64)
+        if weights.removed is not None and weights.removed_mask is not None:
+            assert weights.frozen is not None
+            hits = (columns[:, :, None] == weights.removed[:, None, :]) & weights.removed_mask[
+                :, None, :
+            ]
+            frozen = (hits * weights.frozen[:, None, :]).sum(-1)
+            w = torch.where(hits.any(-1), frozen, w)
+        return torch.where(residual[:, None], w, p.to(torch.float64))
 
     token, _ = pick(sums, uniform, vocab, values_of)
     ok = summary.target_ok & (total_p > 0) & (total_p < torch.inf)
@@ -286,13 +345,4 @@ def draw_target_without(
 
     token, _ = pick(sums, uniform, vocab, values_of)
     ok = summary.target_ok & (total_p > 0) & (total_p < torch.inf)
-    return Recovery(token, ok)
-
-
-def draw_dense(weights: Tensor, uniform: Tensor) -> Recovery:
-    """A draw from each row of materialized float64 ``(B, V)`` weights (tree mode b)."""
-    vocab = weights.shape[1]
-    sums = block_sums(weights)
-    token, total = pick(sums, uniform, vocab, lambda columns: weights.gather(1, columns))
-    ok = (weights.amin(-1) >= 0) & (total > 0) & (total < torch.inf)
     return Recovery(token, ok)

@@ -71,8 +71,15 @@ rejection is found with a cumulative product; one ``(B, V)`` row per request is 
 target, and the draft for the residual, at the first rejection or the bonus position) and
 drawn from with the blocked inverse CDF of :mod:`fastsample.inverse_cdf`
 (:mod:`fastsample._verify_draw`). Residuals are never built for the other positions. Tree
-mode (a) costs the same; tree mode (b) updates ``(B, V)`` float64 working distributions at
-every tested child, so it costs ``O(V)`` per tested child and suits small trees or the GPU.
+mode (a) costs the same. Tree mode (b) needs the mass of the current residual at every tested
+child, one read of the current node's two rows per step, but never updates ``(B, V)``
+distributions: after ``i`` rejections at a node with target ``p`` and draft ``q``, the current
+target is ``max(p - c_i q, 0)`` renormalized, with one number ``c_i`` per row
+(``c_1 = 0``, ``c_{i+1} = c_i + W_i / Q_i``, ``W_i`` its mass and ``Q_i`` the draft mass not yet
+drawn), except at the rejected siblings, whose weights stop changing once they leave ``q``
+(induction on ``max(max(p - c q, 0) / W - q / Q, 0) = max(p - (c + W / Q) q, 0) / W``).
+So every acceptance ratio is computed from the original rows, with exact masses (rows need
+not be normalized), and no error accumulates from step to step.
 
 No host sync, no data-dependent shapes, no device asserts: loops run over static counts
 (positions, tree nodes, row pieces), so everything compiles with
@@ -92,10 +99,14 @@ from torch import Tensor
 
 from . import _validation as v
 from ._verify_draw import (
-    draw_dense,
+    Weights,
     draw_residual,
     draw_target_without,
+    frozen_block_sums,
     gather_block,
+    summarize,
+    weight_values,
+    work_dtype,
 )
 from .noise import GeneratorSource
 from .seeds import CounterSource, Stream, check_counter_args, make_source
@@ -641,8 +652,11 @@ def verify_tree(
       rejected siblings removed.
     * ``draft_probs`` given (mode b, children drawn without replacement from ``q``): accept
       iff ``u * q(t) < p(t)``; on rejection ``p <- norm(max(p - q, 0))`` and
-      ``q <- norm(q`` without ``t)``; final token from the current ``p``. If a residual has
-      no mass (``p == q`` up to rounding, a rejection of probability 0), ``p`` is kept.
+      ``q <- norm(q`` without ``t)``; final token from the current ``p`` (computed without
+      updating ``(B, V)`` rows, see the module docstring; masses are exact, so rows need not
+      be normalized). If a residual has no mass (``p <= q`` up to rounding: the rejection had
+      probability 0), the later siblings are rejected and the final token is drawn from the
+      node's target distribution.
 
     Args:
         target_probs: ``(B, N, V)`` float: the target's processed next-token distribution
@@ -668,7 +682,8 @@ def verify_tree(
     Cost: a static walk of at most ``steps`` tested children (for host parents, the most a
     root-to-node walk can test, e.g. 16 for a full 4-ary tree of depth 4; ``N - 1`` for
     tensor parents). Mode a does ``(B,)``-sized work per step and one ``(B, V)`` draw at the
-    end; mode b updates ``(B, V)`` float64 distributions at every step.
+    end; mode b also reads the current node's target and draft rows once per step (the mass
+    of the current residual), and never writes ``(B, V)`` state.
 
     Example:
         >>> B, V = 2, 8
@@ -810,9 +825,11 @@ def _verify_tree(
     rejected_tokens = torch.zeros(batch, width, dtype=torch.int64, device=device)
     slots = torch.arange(width, device=device)
     left = torch.ones(batch, dtype=torch.float64, device=device)  # mode a: 1 - rejected mass
-    if q_table is not None:  # mode b: working distributions at `current`, float64
-        target_now, draft_now, loaded_ok = _load(p_table, q_table, rows * n)
-        valid = valid & loaded_ok
+    # Mode b: the current target is max(p - c q, 0) renormalized at the current node, except
+    # for the rejected siblings, whose weights were frozen when they left q (module docstring).
+    coef = torch.zeros(batch, dtype=torch.float64, device=device)
+    frozen = torch.zeros(batch, width, dtype=torch.float64, device=device)
+    work = work_dtype(p, q)
 
     for _ in range(structure.steps):
         active = candidate < size  # size <= n, so also candidate < n
@@ -827,21 +844,40 @@ def _verify_tree(
             accept = active & accept_sibling(u, left, p_t)
             reject = active & ~accept
             left = torch.where(accept, 1.0, torch.where(reject, left - p_t, left))
+            record = reject
         else:
-            p_t = target_now.gather(1, token)[:, 0]
-            q_t = draft_now.gather(1, token)[:, 0]
-            accept = active & accept_drafts(u, p_t, q_t)
+            node_rows = rows * n + current
+            removed = slots < num_rejected[:, None]
+            weights = Weights(coef, rejected_tokens, removed, frozen)
+            summary = summarize(p_table, node_rows, q_table, node_rows, weights)
+            assert summary.residual_sums is not None and summary.draft_mass is not None
+            assert summary.draft_ok is not None
+            valid = valid & ((summary.target_ok & summary.draft_ok) | ~active)
+            mass = frozen_block_sums(summary.residual_sums, weights).sum(-1)
+            p_t = gather_block(p_table, node_rows, token)
+            q_t = gather_block(q_table, node_rows, token)
+            valid = valid & (_finite_non_negative(p_t) & _finite_non_negative(q_t) | ~active)
+            w_t = weight_values(p_t, q_t, work, coef)[:, 0].to(torch.float64)
+            same = (rejected_tokens == token) & removed
+            # An already rejected token left q: weight frozen, draft probability 0.
+            repeated = same.any(-1)
+            w_t = torch.where(repeated, (frozen * same).sum(-1), w_t)
+            q_left = torch.where(repeated, 0.0, q_t[:, 0].to(torch.float64))
+            accept = active & accept_child(u, w_t, q_left, mass, summary.draft_mass)
             reject = active & ~accept
-            target_now, draft_now = _after_rejection(target_now, draft_now, token, reject)
-            new_target, new_draft, loaded_ok = _load(p_table, q_table, rows * n + node)
-            valid = valid & (loaded_ok | ~accept)
-            target_now = torch.where(accept[:, None], new_target, target_now)
-            draft_now = torch.where(accept[:, None], new_draft, draft_now)
+            record = reject & ~repeated  # a repeated token was not drawn again: no update
+            new_coef = next_coefficient(coef, mass, summary.draft_mass)
+            weight_now = weight_values(p_t, q_t, work, new_coef)[:, 0].to(torch.float64)
+            coef = torch.where(accept, 0.0, torch.where(record, new_coef, coef))
+            slot = num_rejected.clamp_max(width - 1)[:, None]
+            frozen = frozen.scatter(
+                1, slot, torch.where(record[:, None], weight_now[:, None], frozen.gather(1, slot))
+            )
         slot = num_rejected.clamp_max(width - 1)[:, None]
         rejected_tokens = rejected_tokens.scatter(
-            1, slot, torch.where(reject[:, None], token, rejected_tokens.gather(1, slot))
+            1, slot, torch.where(record[:, None], token, rejected_tokens.gather(1, slot))
         )
-        num_rejected = torch.where(accept, 0, num_rejected + reject.to(torch.int64))
+        num_rejected = torch.where(accept, 0, num_rejected + record.to(torch.int64))
         depth = num_accepted.clamp_max(n - 1)[:, None]
         path = path.scatter(
             1, depth, torch.where(accept[:, None], node[:, None], path.gather(1, depth))
@@ -864,7 +900,12 @@ def _verify_tree(
             u_final,
         )
     else:
-        recovery = draw_dense(target_now, u_final)
+        node_rows = rows * n + current
+        removed = slots < num_rejected[:, None]
+        weights = Weights(coef, rejected_tokens, removed, frozen)
+        recovery = draw_residual(
+            p_table, node_rows, q_table, node_rows, num_rejected > 0, u_final, weights
+        )
     valid = valid & recovery.ok
 
     columns = torch.arange(n, device=device)
@@ -880,31 +921,20 @@ def _verify_tree(
     )
 
 
-def _load(p_table: Tensor, q_table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Mode b: a node's target and draft rows as float64 working distributions, and whether
-    both are clean (no NaN, no negative entry, no inf, some mass)."""
-    target = p_table.index_select(0, rows).to(torch.float64)
-    draft = q_table.index_select(0, rows).to(torch.float64)
-    ok = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-    for dist in (target, draft):
-        total = dist.sum(-1)
-        ok = ok & (dist.amin(-1) >= 0) & (total > 0) & (total < math.inf)
-    return target, draft, ok
+def _finite_non_negative(values: Tensor) -> Tensor:
+    """``(B, 1)`` gathered values -> ``(B,)``: no NaN, no inf, no negative."""
+    return ((values >= 0) & (values < math.inf))[:, 0]
 
 
-def _after_rejection(
-    target: Tensor, draft: Tensor, token: Tensor, reject: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Mode b, rows in ``reject``: ``p <- norm(max(p - q, 0))``, ``q <- norm(q without t)``.
+def accept_child(u: Tensor, w_t: Tensor, q_t: Tensor, mass: Tensor, draft_mass: Tensor) -> Tensor:
+    """Tree mode b: accept with ``min(1, p_i(t) / q_i(t))`` where ``p_i(t) = w_t / mass`` (the
+    current residual, renormalized) and ``q_i(t) = q_t / draft_mass`` (the draft renormalized
+    over the tokens not yet drawn): ``u * q_t * mass < draft_mass * w_t`` (float64, strict)."""
+    return accept_drafts(u, draft_mass * w_t, q_t * mass)
 
-    A residual without mass (``p == q`` up to rounding: the rejection had probability 0)
-    keeps ``p``; a draft with no mass left stays all zero (no sibling could be drawn).
-    """
-    residual = (target - draft).clamp_(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    renormalized = residual / torch.where(mass > 0, mass, 1.0)
-    target = torch.where(reject[:, None] & (mass > 0), renormalized, target)
-    removed = draft.scatter(1, token, 0.0)
-    left = removed.sum(-1, keepdim=True)
-    removed = removed / torch.where(left > 0, left, 1.0)
-    return target, torch.where(reject[:, None], removed, draft)
+
+def next_coefficient(coef: Tensor, mass: Tensor, draft_mass: Tensor) -> Tensor:
+    """Tree mode b after a rejection: ``norm(max(p_i - q_i, 0))`` with
+    ``p_i = max(p - c q, 0) / mass`` and ``q_i = q / draft_mass`` is ``max(p - c' q, 0)``
+    renormalized, ``c' = c + mass / draft_mass`` (no draft mass left: nothing changes)."""
+    return coef + torch.where(draft_mass > 0, mass / draft_mass, 0.0)
