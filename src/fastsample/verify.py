@@ -91,6 +91,7 @@ their row only, and ``check=True`` (which syncs) raises instead.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -215,11 +216,12 @@ def _random_source(
 def _counters(seeds: _Seeds, streams: Sequence[Stream]) -> CounterSource:
     """One counter source over ``len(streams)`` virtual copies of the batch, one per stream:
     row ``b`` of each copy depends only on ``seed[b]``, ``step[b]`` and the stream."""
-    batch, copies = seeds.seed.shape[0], len(streams)
-    stream = torch.tensor([int(s) for s in streams], dtype=torch.int64, device=seeds.seed.device)
-    return CounterSource(
-        seeds.seed.repeat(copies), seeds.step.repeat(copies), stream.repeat_interleave(batch)
+    batch, copies, device = seeds.seed.shape[0], len(streams), seeds.seed.device
+    # Filled on the device (no host-to-device copy: capturable in a CUDA graph).
+    stream = torch.cat(
+        [torch.full((batch,), int(s), dtype=torch.int64, device=device) for s in streams]
     )
+    return CounterSource(seeds.seed.repeat(copies), seeds.step.repeat(copies), stream)
 
 
 # Up to this many acceptance uniforms per call, one Philox evaluation serves all three
@@ -599,12 +601,39 @@ def _host_structure(parents: Sequence[int], device: torch.device) -> _Structure:
         children[parent] += 1
         cost[node] = cost[parent] + children[parent]
     steps = max(cost[node] + children[node] for node in range(n))
+    tables = _host_tables(tuple(first_child), tuple(next_sibling), device)
+    return _Structure(*tables, steps, max(children))
 
-    def row(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)[None]
 
-    ok = torch.ones(1, dtype=torch.bool, device=device)
-    return _Structure(row(first_child), row(next_sibling), ok, steps, max(children))
+# Device copies of host trees' walk tables, by (tables, device): made on the first call (for a
+# CUDA graph, the warm-up call before capture), so later calls do no host-to-device copy.
+_HOST_TABLES: OrderedDict[tuple, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
+_HOST_TABLES_MAX = 256
+
+
+def _host_tables(
+    first_child: tuple[int, ...], next_sibling: tuple[int, ...], device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(first_child (1, N), next_sibling (1, N), ok (1,))`` on ``device``, cached."""
+
+    def build() -> tuple[Tensor, Tensor, Tensor]:
+        def row(values: tuple[int, ...]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)[None]
+
+        ok = torch.ones(1, dtype=torch.bool, device=device)
+        return row(first_child), row(next_sibling), ok
+
+    if torch.compiler.is_compiling():  # constants of the compiled graph
+        return build()
+    key = (first_child, next_sibling, device)
+    tables = _HOST_TABLES.get(key)
+    if tables is None:
+        tables = _HOST_TABLES[key] = build()
+        if len(_HOST_TABLES) > _HOST_TABLES_MAX:
+            _HOST_TABLES.popitem(last=False)
+    else:
+        _HOST_TABLES.move_to_end(key)
+    return tables
 
 
 def _device_structure(parents: Tensor, batch: int) -> _Structure:
