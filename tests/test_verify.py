@@ -1154,3 +1154,26 @@ def test_tree_cuda_graph_capture(mode):
         for field in eager._fields:
             assert torch.equal(getattr(out, field), getattr(eager, field))
     assert out.valid.tolist() == [row != 3 for row in range(batch)]
+
+
+def test_empty_batch():
+    p = torch.rand(0, 3, 10)
+    x = torch.zeros(0, 2, dtype=torch.int64)
+    for q in (None, p[:, :2]):
+        out = fs.verify_chain(p, x, q, seed=torch.zeros(0, dtype=torch.int64))
+        assert out.token_ids.shape == (0, 3) and out.valid.shape == (0,)
+        tree = fs.TokenTree(torch.zeros(0, 3, dtype=torch.int64), [-1, 0, 0])
+        assert fs.verify_tree(p, tree, q if q is None else p).token_ids.shape == (0, 3)
+
+
+def test_host_tree_tables_are_made_once_per_device():
+    """Shared host trees become device tables on the first call only (for a CUDA graph, the
+    warm-up before capture), so captured calls do no host-to-device copy."""
+    parents = [-1, 0, 0, 2, 2, 2]
+    device = torch.device("cpu")
+    first = verify_mod._host_structure(parents, device)
+    again = verify_mod._host_structure(list(parents), device)
+    assert first.first_child is again.first_child and first.next_sibling is again.next_sibling
+    assert first.first_child.tolist() == [[1, 6, 3, 6, 6, 6]]
+    assert first.next_sibling.tolist() == [[6, 2, 6, 4, 5, 6]]
+    assert (first.steps, first.width) == (5, 3)  # root: 2 children; node 2 (rank 2): 3 more
