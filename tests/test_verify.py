@@ -1177,3 +1177,24 @@ def test_host_tree_tables_are_made_once_per_device():
     assert first.first_child.tolist() == [[1, 6, 3, 6, 6, 6]]
     assert first.next_sibling.tolist() == [[6, 2, 6, 4, 5, 6]]
     assert (first.steps, first.width) == (5, 3)  # root: 2 children; node 2 (rank 2): 3 more
+
+
+def test_bench_verify_runs_and_saves_json(tmp_path, capsys):
+    import json
+
+    from fastsample.__main__ import main
+
+    path = tmp_path / "verify.json"
+    args = ["bench", "--verify", "--device", "cpu", "--batch", "2", "--vocab", "300"]
+    fast = ["--warmup", "1", "--min-repeats", "2", "--repeats", "2", "--budget", "0.01"]
+    assert main([*args, *fast, "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["results"]
+    names = [r["contender"] for r in rows]
+    assert names[:3] == ["read_pass", "gather", "reference"] and "fs.verify_chain" in names
+    assert all(r["median_ms"] > 0 and r["speedup_vs_reference"] > 0 for r in rows)
+    assert "fs.verify_tree b" in capsys.readouterr().out
+    from fastsample.bench_verify import make_case, reference_verify
+
+    case = make_case(3, 2, 50, "float32", torch.device("cpu"))
+    accepted, token = reference_verify(case.target, case.draft, case.tokens)
+    assert accepted.shape == (3,) and token.shape == (3, 1)
