@@ -5,19 +5,31 @@ Public API (flat and functional, every function shares argument names):
 * :func:`fast_sample` -- ``(sample_p, sample_index)``, the drop-in for the speculative-decoding
   helper that replaced ``torch.multinomial``;
 * :func:`sample_from_probs` -- draws from weights with a per-row ``valid`` flag;
+* :func:`sample`, :func:`process` -- temperature, top-k, top-p, min-p and greedy per row
+  (logits or probabilities), and the processed distribution they sample from;
 * :class:`SampleOutput` -- what samplers return;
 * :class:`Stream`, :func:`advance_step` -- counter-based per-request randomness
   (``seed=``, ``step=``, ``stream=`` on every sampler).
 
 Where things live: ``sampling.py`` orchestrates (argument checks, method choice, bad-row
 policy); ``race.py`` and ``inverse_cdf.py`` are the two exact draw algorithms;
-``noise.py`` is the single interface through which randomness enters, ``seeds.py`` and
+``controls.py`` turns logits and per-row controls into kept weights, with the exact
+threshold selections of ``select.py``; ``noise.py`` is the single interface through which randomness enters, ``seeds.py`` and
 ``philox.py`` its counter-based source; ``_validation.py``
 holds every argument check; ``bench.py`` is ``python -m fastsample bench``.
 """
 
-from .sampling import SampleOutput, fast_sample, sample_from_probs
+from .controls import process
+from .sampling import SampleOutput, fast_sample, sample, sample_from_probs
 from .seeds import Stream, advance_step
 
-__all__ = ["SampleOutput", "Stream", "advance_step", "fast_sample", "sample_from_probs"]
+__all__ = [
+    "SampleOutput",
+    "Stream",
+    "advance_step",
+    "fast_sample",
+    "process",
+    "sample",
+    "sample_from_probs",
+]
 __version__ = "0.1.0"
