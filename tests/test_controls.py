@@ -108,8 +108,9 @@ def test_process_matches_reference_with_scalar_controls(vocab):
     """Python scalars take the static paths (stages skipped, candidate-block top-k)."""
     xs, controls = make_batch(vocab, 30, seed=100 + vocab)
     for x, (t, k, p, m) in zip(xs, controls, strict=True):
-        got = fs.process(torch.tensor(x[None], dtype=torch.float32), temperature=t, top_k=k,
-                         top_p=p, min_p=m)
+        got = fs.process(
+            torch.tensor(x[None], dtype=torch.float32), temperature=t, top_k=k, top_p=p, min_p=m
+        )
         assert_matches_reference(got, reference_probs(x, t, k, p, m)[None], f"{t, k, p, m}")
 
 
@@ -198,7 +199,10 @@ def test_sample_frequencies_many_blocks_and_probs_input():
     assert_sampler_exact(counts, want, "V=1300")
     probs = torch.softmax(torch.tensor(x), -1)
     want_p = np.stack(
-        [reference_probs(p, *c, is_logits=False) for p, c in zip(probs.numpy(), controls, strict=True)]
+        [
+            reference_probs(p, *c, is_logits=False)
+            for p, c in zip(probs.numpy(), controls, strict=True)
+        ]
     )
     counts_p = draw_counts(probs, controls, 20000, scalar=True, is_logits=False)
     assert_sampler_exact(counts_p, want_p, "probs V=1300")
@@ -247,7 +251,12 @@ def test_greedy_rows_are_deterministic_and_mixed_freely():
 
 
 def test_greedy_several_draws_are_the_largest_in_order():
-    x = torch.tensor([[0.0, 5.0, 3.0, 5.0, -math.inf, 4.0], [1.0, -math.inf, -math.inf, -math.inf, 2.0, -math.inf]])
+    x = torch.tensor(
+        [
+            [0.0, 5.0, 3.0, 5.0, -math.inf, 4.0],
+            [1.0, -math.inf, -math.inf, -math.inf, 2.0, -math.inf],
+        ]
+    )
     out = fs.sample(x, temperature=0.0, num_samples=3)
     assert out.token_ids[0].tolist() == [1, 3, 5]
     # Row 1 has two finite entries: its later slots repeat the last genuine draw, invalid.
@@ -329,14 +338,22 @@ def test_bad_rows_and_bad_control_values_are_flagged_not_raised():
     temperature = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0, 1.0])
     top_p = torch.tensor([0.9, 0.9, 0.9, 0.9, 0.9, math.nan, 0.9])
     top_k = torch.tensor([5, 5, 5, 5, 5, 5, -3])
-    out = fs.sample(x, temperature=temperature, top_p=top_p, top_k=top_k, seed=3, num_samples=2,
-                    top_logprobs=2)
+    out = fs.sample(
+        x, temperature=temperature, top_p=top_p, top_k=top_k, seed=3, num_samples=2, top_logprobs=2
+    )
     assert out.valid.tolist() == [True] + [False] * 6
     assert out.token_ids[1:].eq(torch.tensor([0, 1])).all()
     assert out.probs[1:].eq(0).all() and out.logprobs[1:].eq(-math.inf).all()
     assert out.top_logprobs[1:].eq(-math.inf).all()
-    clean = fs.sample(x[:1], temperature=temperature[:1], top_p=top_p[:1], top_k=top_k[:1],
-                      seed=3, num_samples=2, top_logprobs=2)
+    clean = fs.sample(
+        x[:1],
+        temperature=temperature[:1],
+        top_p=top_p[:1],
+        top_k=top_k[:1],
+        seed=3,
+        num_samples=2,
+        top_logprobs=2,
+    )
     assert torch.equal(clean.token_ids, out.token_ids[:1])
     assert torch.equal(clean.probs, out.probs[:1])
     processed = fs.process(x, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -355,8 +372,16 @@ def test_garbage_never_gives_out_of_range_ids():
         x[torch.rand(5, vocab, generator=gen) < 0.3] = math.nan
         x[torch.rand(5, vocab, generator=gen) < 0.3] = math.inf
         x[torch.rand(5, vocab, generator=gen) < 0.3] = -math.inf
-        out = fs.sample(x, temperature=torch.rand(5, generator=gen) * 3, top_k=torch.randint(-2, vocab + 2, (5,), generator=gen),
-                        top_p=torch.rand(5, generator=gen) * 1.2, min_p=torch.rand(5, generator=gen), num_samples=min(3, vocab), seed=trial, top_logprobs=min(2, vocab))
+        out = fs.sample(
+            x,
+            temperature=torch.rand(5, generator=gen) * 3,
+            top_k=torch.randint(-2, vocab + 2, (5,), generator=gen),
+            top_p=torch.rand(5, generator=gen) * 1.2,
+            min_p=torch.rand(5, generator=gen),
+            num_samples=min(3, vocab),
+            seed=trial,
+            top_logprobs=min(2, vocab),
+        )
         assert ((out.token_ids >= 0) & (out.token_ids < vocab)).all()
         assert ((out.top_token_ids >= 0) & (out.top_token_ids < vocab)).all()
 
@@ -372,12 +397,22 @@ def test_seeded_rows_are_batch_invariant():
     steps = torch.arange(40) + 100
     full = fs.sample(x, **ctl, seed=seeds, step=steps, num_samples=2)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(0))
-    shuffled = fs.sample(x[perm], **{n: v[perm] for n, v in ctl.items()}, seed=seeds[perm],
-                         step=steps[perm], num_samples=2)
+    shuffled = fs.sample(
+        x[perm],
+        **{n: v[perm] for n, v in ctl.items()},
+        seed=seeds[perm],
+        step=steps[perm],
+        num_samples=2,
+    )
     assert torch.equal(shuffled.token_ids, full.token_ids[perm])
     for row in (0, 13, 39):
-        alone = fs.sample(x[row : row + 1], **{n: v[row : row + 1] for n, v in ctl.items()},
-                          seed=seeds[row : row + 1], step=steps[row : row + 1], num_samples=2)
+        alone = fs.sample(
+            x[row : row + 1],
+            **{n: v[row : row + 1] for n, v in ctl.items()},
+            seed=seeds[row : row + 1],
+            step=steps[row : row + 1],
+            num_samples=2,
+        )
         assert torch.equal(alone.token_ids, full.token_ids[row : row + 1])
 
 

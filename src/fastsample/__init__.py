@@ -14,9 +14,10 @@ Public API (flat and functional, every function shares argument names):
 Where things live: ``sampling.py`` orchestrates (argument checks, method choice, bad-row
 policy); ``race.py`` and ``inverse_cdf.py`` are the two exact draw algorithms;
 ``controls.py`` turns logits and per-row controls into kept weights, with the exact
-threshold selections of ``select.py``; ``noise.py`` is the single interface through which randomness enters, ``seeds.py`` and
-``philox.py`` its counter-based source; ``_validation.py``
-holds every argument check; ``bench.py`` is ``python -m fastsample bench``.
+threshold selections of ``select.py``; ``noise.py`` is the single interface through
+which randomness enters, ``seeds.py`` and ``philox.py`` its counter-based source;
+``_validation.py`` holds every argument check; ``bench.py`` is ``python -m fastsample
+bench`` (``bench_controls.py`` its ``--controls`` part).
 """
 
 from .controls import process

@@ -288,7 +288,9 @@ def keep_at_least(weights: Tensor, cut: Tensor, out: Tensor | None = None) -> tu
     """``(weights / s) * [weights >= cut]`` per row with ``s = max(cut, floor)``; returns it
     (written to ``out`` if given, which may be ``weights``) and ``s``."""
     scale = cut.clamp_min(_CUT_FLOOR[weights.dtype])
-    scaled = torch.div(weights, scale[:, None], out=out) if out is not None else weights / scale[:, None]
+    scaled = (
+        torch.div(weights, scale[:, None], out=out) if out is not None else weights / scale[:, None]
+    )
     return torch.nn.functional.threshold_(scaled, _BELOW_ONE[weights.dtype], 0.0), scale
 
 
@@ -347,7 +349,7 @@ def processed_weights(
     """
     source = logits if logits is not None else probs
     assert source is not None
-    batch, vocab = source.shape
+    batch = source.shape[0]
     temperature = controls.temperature
     greedy_possible = isinstance(temperature, Tensor) or controls.all_greedy
     maxima = None
@@ -355,9 +357,7 @@ def processed_weights(
         maxima = block_maxima(logits)
         weights, peak, valid = _weights_from_logits(logits, temperature, maxima)
     else:
-        weights, peak, valid = _weights_from_probs(
-            probs, temperature, need_copy=controls.filters
-        )
+        weights, peak, valid = _weights_from_probs(probs, temperature, need_copy=controls.filters)
         if greedy_possible or keep_maxima:
             maxima = block_maxima(probs)
     valid = valid & _controls_in_range(controls, batch, source.device)

@@ -81,7 +81,6 @@ def choose_method(probs: Tensor, num_samples: int, seeded: bool = False) -> str:
 
 def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -> SampleOutput:
     """Draw with ``method`` and apply the bad-row policy. Arguments already checked."""
-    batch = probs.shape[0]
     # Per-row fixed-shape reductions (batch-invariant, bitwise). The minimum propagates NaN,
     # so NaN rows fail `>= 0` below.
     sums, smallest = row_summaries(probs)
@@ -330,9 +329,7 @@ def sample(
     """
     source_tensor = check_source(logits, probs)
     batch, vocab = source_tensor.shape
-    controls = check_controls(
-        temperature, top_k, top_p, min_p, batch, vocab, source_tensor.device
-    )
+    controls = check_controls(temperature, top_k, top_p, min_p, batch, vocab, source_tensor.device)
     v.check_num_samples(num_samples, vocab)
     num_top = _check_top_logprobs(top_logprobs, vocab)
     v.check_generator(generator, source_tensor.device)
@@ -345,7 +342,9 @@ def sample(
         return _all_greedy(source_tensor, logits is not None, num_samples)
     processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
     if controls.all_greedy:  # nothing random: skip the draw
-        token_ids, genuine = _greedy_draws(source_tensor, logits is not None, num_samples, processed)
+        token_ids, genuine = _greedy_draws(
+            source_tensor, logits is not None, num_samples, processed
+        )
         total = processed.total
     else:
         token_ids, genuine, total = inverse_cdf_draw(

@@ -19,8 +19,9 @@ buckets (two levels of 64) finds the bucket where the count or mass from the top
 bucket only (everything else lands in dump buckets). Three rounds for float32, six for
 float64: a fixed number of full-shape ops, no host sync, no data-dependent shape, and the
 result is an exact bit pattern, so ties are handled for free. The tables stay small
-(``B x ~2k``), so large batches cost no more memory per row than the weights do. Weights are read as int64 pairs (two
-float32 patterns per word) because int32 -> int64 conversion costs more than the shifts.
+(``B x ~2k``), so large batches cost no more memory per row than the weights do. Weights
+are read as int64 pairs (two float32 patterns per word) because int32 -> int64 conversion
+costs more than the shifts.
 
 Masses are accumulated in float32 buckets and combined in float64, so a top-p decision can
 differ from an exact one only when ``target`` lies within float32 rounding (~1e-7
@@ -152,10 +153,11 @@ def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     batch = values.shape[0]
     # Invariant: Q(lo) >= target (Q(0) is everything), the answer is in [lo, hi].
     lo = torch.zeros(batch, 1, dtype=torch.int64, device=values.device)
-    hi = torch.full_like(lo, (1 << bits) - 1)
+    infinity = 0x7FF0000000000000 if values.dtype == torch.float64 else 0x7F800000
+    hi = torch.full_like(lo, infinity)
     unit = torch.ones((), dtype=values.dtype, device=values.device)
     for _ in range(bits):
-        mid = (lo + hi + 1) >> 1
+        mid = lo + ((hi - lo + 1) >> 1)  # no int64 overflow near the top pattern
         if values.dtype == torch.float64:
             threshold = mid.view(torch.float64)
         else:
@@ -166,7 +168,11 @@ def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid - 1)
     lo = lo.squeeze(1)
-    return lo.view(torch.float64) if values.dtype == torch.float64 else lo.to(torch.int32).view(torch.float32)
+    return (
+        lo.view(torch.float64)
+        if values.dtype == torch.float64
+        else lo.to(torch.int32).view(torch.float32)
+    )
 
 
 def block_maxima(values: Tensor) -> Tensor:
@@ -182,7 +188,7 @@ def block_maxima(values: Tensor) -> Tensor:
 def _gather_blocks(values: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Values and global indices of the given blocks, ``(B, len * BLOCK)``; entries past the
     vocabulary read as ``-inf``."""
-    batch, vocab = values.shape
+    vocab = values.shape[1]
     width = min(BLOCK, vocab)
     columns = (blocks[:, :, None] * BLOCK + torch.arange(width, device=values.device)).flatten(1)
     gathered = values.gather(1, columns.clamp_max(vocab - 1))
@@ -239,7 +245,9 @@ def first_argmax(values: Tensor, maxima: Tensor | None = None) -> Tensor:
 CANDIDATE_MAX_K = 1024
 
 
-def largest_entries(values: Tensor, num: int, maxima: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def largest_entries(
+    values: Tensor, num: int, maxima: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The ``num`` largest entries of each row, largest first, ties in any order.
 
     Like :func:`top_entries` with ``torch.topk`` on the candidate blocks (no sort): for
