@@ -147,6 +147,17 @@ def test_process_top_k_ties_and_greedy_ties():
     assert fs.process(x, temperature=0.0)[0].tolist() == [0, 1, 0, 0, 0, 0, 0, 0]
 
 
+def test_far_tail_survives_cut_stages_down_to_the_documented_floor():
+    """Rows whose cut is off keep tokens down to 2**-100 of the top weight (here 8.7e-27);
+    the whole batch of 2999 weights of 2**100 after scaling must not overflow."""
+    x = torch.tensor([[0.0, -60.0, -200.0], [0.0, -60.0, -200.0]])
+    got = fs.process(x, top_p=torch.tensor([1.0, 0.5]), top_k=torch.tensor([0, 3]))
+    assert got[0, 1] > 0 and got[0, 2] == 0  # exp(-200) is 0 in float32 anyway
+    assert got[1].tolist() == [1.0, 0.0, 0.0]
+    flat = fs.process(torch.zeros(2, 2999), top_k=torch.tensor([0, 5]))
+    assert torch.allclose(flat.sum(-1), torch.ones(2)) and (flat[0] > 0).all()
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

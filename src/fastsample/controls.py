@@ -30,6 +30,7 @@ would sync).
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -277,11 +278,25 @@ def _top_p_cut_from_candidates(
 # Cuts are applied by dividing each row by its cut and zeroing what falls below 1, one scalar
 # threshold for the whole batch (fast), instead of a per-row comparison and a masked fill.
 # The division keeps every comparison with the cut exact (``w >= c`` iff ``fl(w / c) >= 1``)
-# and scales a row uniformly, which the inverse CDF does not see. Cuts below this floor are
-# raised to it so the scaled weights stay finite: a row with no cut then drops weights under
-# 2**-100 of its largest (float64: 2**-1000), ~1e-30, below float32's own exp resolution.
+# and scales a row uniformly, which the inverse CDF does not see. Cuts below a floor are
+# raised to it so the scaled weights, their block sums and row totals stay finite in float32
+# (totals up to V * 2**100 < 2**128): in a row whose cut is 0 (or tinier), weights under
+# 2**-100 of the row's largest (float64: 2**-1000) are dropped, tokens ~69 T below the top
+# logit with probability < 1e-30 each.
 _CUT_FLOOR = {torch.float32: 2.0**-100, torch.float64: 2.0**-1000}
 _BELOW_ONE = {torch.float32: 1.0 - 2.0**-24, torch.float64: 1.0 - 2.0**-53}
+
+
+def _predecessor(value: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` number below ``value`` rounded to ``dtype`` (``value >= 0``), in
+    Python (no tensor, so no host read under ``torch.compile``)."""
+    if dtype == torch.float64:
+        return math.nextafter(value, 0.0)
+    (bits,) = struct.unpack("<I", struct.pack("<f", value))
+    if bits == 0:  # value rounds to 0 in float32: every weight is >= it
+        return -1.0
+    (below,) = struct.unpack("<f", struct.pack("<I", bits - 1))
+    return below
 
 
 def keep_at_least(weights: Tensor, cut: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -363,9 +378,15 @@ def processed_weights(
     valid = valid & _controls_in_range(controls, batch, source.device)
     if controls.top_k is not None and maxima is None:
         maxima = block_maxima(source)
-    cut = _cuts(weights, peak, controls, source, maxima)
-    if cut is not None:
-        weights, _ = keep_at_least(weights, cut, out=weights)
+    only_min_p = controls.top_k is None and controls.top_p is None
+    if only_min_p and isinstance(controls.min_p, float) and logits is not None:
+        # Every row's largest weight is exactly 1, so the cut is one number for the batch:
+        # keep w >= float(min_p) as w > its predecessor, in place, no division.
+        torch.nn.functional.threshold_(weights, _predecessor(controls.min_p, weights.dtype), 0.0)
+    else:
+        cut = _cuts(weights, peak, controls, source, maxima)
+        if cut is not None:
+            weights, _ = keep_at_least(weights, cut, out=weights)
     sums = block_sums(weights)
     total = sums.sum(-1)
     valid = valid & (total > 0) & (total < math.inf)
