@@ -338,6 +338,12 @@ def _cuts(
         # the top-k cut, so top-p needs only the survivors' mass, not a masked copy.
         if cut is None:
             mass = block_sums(weights).sum(-1)
+        elif candidates is not None:
+            # Every survivor above cut_k is a candidate; the rest are ties at cut_k, anywhere
+            # in the row: count them (one compare pass, no masked copy).
+            ties = (weights == cut[:, None]).sum(-1)
+            strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
+            mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
         else:
             survivors, scale = keep_at_least(weights, cut)
             mass = block_sums(survivors).sum(-1) * scale.to(torch.float64)
