@@ -421,10 +421,11 @@ def _agree(
     drawable = comm.all_reduce(drawable.to(torch.float32), "max")
     if bool((drawable == 0).any()):
         row = int((drawable == 0).to(torch.uint8).argmax())
-        why = "is all -inf on every rank" if call.logits is not None else "is zero on every rank"
-        raise ValueError(
-            f"{prefix}{'logits' if call.logits is not None else 'probs'} row {row} {why}"
-        )
+        if call.logits is not None:
+            why = "logits row {} is -inf on every rank (every token masked)"
+        else:
+            why = "probs row {} is zero on every rank (no token can be drawn)"
+        raise ValueError(prefix + why.format(row))
 
 
 def _spans_text(spans: list[tuple[int, int, int]]) -> str:
