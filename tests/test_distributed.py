@@ -731,3 +731,24 @@ def test_layout_owns_every_slot_once(monkeypatch):
             )
         assert (owners == 1).all(), (vocab, owners)
         assert covered == vocab + vocab % 2
+
+
+def test_bench_distributed_runs(tmp_path, capsys):
+    """``python -m fastsample bench --distributed 2`` on a tiny case: every row, the ratio and
+    the bytes (the real figures are in BENCHMARKS.md)."""
+    import json
+
+    from fastsample.__main__ import main
+
+    path = tmp_path / "dist.json"
+    argv = ["bench", "--distributed", "2", "--batch", "4", "--vocab", "3000", "--repeats", "2"]
+    assert main([*argv, "--warmup", "0", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    rows = {(r["setting"], r["contender"]): r for r in doc["results"]}
+    assert len(rows) == 3 * len(doc["settings"]["controls"])
+    for (_, contender), row in rows.items():
+        assert row["median_ms"] > 0
+        if contender == "fs.distributed":
+            assert row["speedup_vs_gather"] > 0 and row["collectives"] >= 1
+            assert 0 < row["payload_bytes"] <= 4 * 1024 * 8 * row["collectives"]
+    assert "vs gather" in capsys.readouterr().out

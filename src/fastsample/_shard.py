@@ -111,8 +111,10 @@ def shard_weights(
     finite: Tensor,
     layout: Layout,
 ) -> Tensor:
-    """The shard's weights before any cut, ``(B, layout.width)``, from the *global* row
-    maximum ``best`` (``(B,)`` float64) and the global finiteness flag ``finite``.
+    """The shard's weights before any cut, from the *global* row maximum ``best`` (``(B,)``
+    float64) and the global finiteness flag ``finite``: a contiguous ``(B, W)`` buffer with
+    ``W = layout.width`` rounded up to even (zero columns past ``V_local``: the radix selection
+    reads float32 pairs as int64); callers use ``[:, :layout.width]`` for everything else.
 
     Same ops, in the same order and dtypes, as the single-process
     ``fastsample.controls._weights_from_logits``/``_weights_from_probs``, so that each weight
@@ -126,10 +128,11 @@ def shard_weights(
     dtype = compute_dtype(source.dtype)
     temperature = controls.temperature
     top = best.to(dtype)
+    width = layout.width + layout.width % 2
     if logits is not None:
         shift = torch.where(finite, top, 0.0)
-        weights = torch.empty(batch, layout.width, dtype=dtype, device=source.device)
-        if layout.width > local:
+        weights = torch.empty(batch, width, dtype=dtype, device=source.device)
+        if width > local:
             weights[:, local:] = 0.0
         out = weights[:, :local]
         torch.sub(logits, shift[:, None], out=out)
@@ -150,7 +153,7 @@ def shard_weights(
         and layout.vocab % 2 == 0
     ):
         return probs.contiguous()
-    weights = torch.zeros(batch, layout.width, dtype=dtype, device=probs.device)
+    weights = torch.zeros(batch, width, dtype=dtype, device=probs.device)
     out = weights[:, :local]
     torch.div(probs, torch.where(finite, top, 1.0)[:, None], out=out)
     if isinstance(temperature, Tensor):
@@ -243,25 +246,52 @@ def draw_in_slot(
 RADIX_ROUNDS = {torch.float32: (10, 10, 10), torch.float64: (8, 9, 9, 9, 9, 9, 9)}
 
 
-def patterns(values: Tensor) -> Tensor:
-    """The entries' bit patterns as int64 (non-negative floats order like them)."""
+def pattern_words(values: Tensor) -> tuple[list[Tensor], int]:
+    """int64 words whose top bits hold the entries' bit patterns (non-negative floats order
+    like their patterns), and the shift that brings a pattern down to bit 0.
+
+    float64: the int64 view itself (no copy). float32 (``values`` contiguous with an even
+    width): the int64 view of entry pairs holds the odd entry in its high half, and
+    ``word << 32`` the even one, so one shift by ``32 + r`` yields pattern ``>> r`` as an int64
+    index for ``scatter_add_`` without converting anything (the order of the entries is
+    that of :func:`pattern_entries`).
+    """
+    words = values.view(torch.int64)
     if values.dtype == torch.float64:
-        return values.view(torch.int64)
-    return values.view(torch.int32).to(torch.int64)
+        return [words], 0
+    return [words, words << 32], 32
+
+
+def pattern_entries(values: Tensor) -> list[Tensor]:
+    """The entries in the order of :func:`pattern_words` (contiguous, for a fast scatter)."""
+    if values.dtype == torch.float64:
+        return [values]
+    return [values[:, 1::2].contiguous(), values[:, 0::2].contiguous()]
 
 
 def radix_histogram(
-    keys: Tensor, entries: Tensor, prefix: Tensor, shift: int, width: int, dtype: torch.dtype
+    words: list[Tensor],
+    entries: list[Tensor],
+    keys: Tensor,
+    prefix: Tensor,
+    shift: int,
+    width: int,
+    dtype: torch.dtype,
 ) -> Tensor:
-    """``(B, 2**width)`` histogram of ``entries`` over the next ``width``-bit digit of the
-    patterns ``keys`` that share ``prefix`` (``(B, 1)``); other patterns are dropped (the
-    ones above it were counted in earlier rounds)."""
+    """``(B, 2**width)`` histogram of ``entries`` over the next ``width``-bit digit (``shift``
+    bits up) of the patterns in ``words`` that share ``prefix`` (``(B, 1)``); other patterns
+    are dropped (those above it were counted in earlier rounds). ``keys`` is a scratch buffer
+    shaped like each word, reused across rounds (no allocation per pass)."""
     batch = keys.shape[0]
     buckets = 1 << width
-    digit = (keys >> shift) - (prefix << width)
-    digit = digit.clamp_(-1, buckets).add_(1)  # 0 and buckets + 1 are dump buckets
+    # Digit d lands in column d + 1; patterns below the prefix in column 0, above it (or
+    # garbage) in column buckets + 1: the two dump columns, left out of the result.
+    base = (prefix << width) - 1
     hist = torch.zeros(batch, buckets + 2, dtype=dtype, device=keys.device)
-    hist.scatter_add_(1, digit, entries)
+    for word, entry in zip(words, entries, strict=True):
+        torch.bitwise_right_shift(word, shift, out=keys)
+        keys.sub_(base).clamp_(0, buckets + 1)
+        hist.scatter_add_(1, keys, entry)
     return hist[:, 1:-1].contiguous()
 
 

@@ -82,7 +82,8 @@ from ._shard import (
     descend,
     draw_in_slot,
     make_layout,
-    patterns,
+    pattern_entries,
+    pattern_words,
     radix_histogram,
     shard_weights,
     slot_sums,
@@ -442,24 +443,30 @@ def _radix_threshold(
     (``by="count"``) or ``target`` times the total mass (``by="share"``: the total is read off
     the first round's histogram, which holds every weight in ``[0, 1]``).
 
-    One SUM all-reduce of a ``(B, 2**width)`` histogram per round; the rounds of
+    ``values``: ``(B, even width)`` contiguous weights in ``[0, 1]`` (extra zero columns only
+    add entries of weight 0, which no threshold of a valid row depends on). One SUM all-reduce
+    of a ``(B, 2**width)`` histogram per round; the rounds of
     :data:`~fastsample._shard.RADIX_ROUNDS` cover the bit patterns of weights in ``[0, 1]``.
     """
     dtype = values.dtype
     wide = dtype == torch.float64 or layout.vocab >= 1 << 24  # float32 counts exact below 2**24
     hist_dtype = torch.float64 if wide else torch.float32
-    keys = patterns(values)
+    words, base_shift = pattern_words(values)
     if by == "count":
-        entries = torch.ones((), dtype=hist_dtype, device=values.device).expand(keys.shape)
+        one = torch.ones((), dtype=hist_dtype, device=values.device)
+        entries = [one.expand(w.shape) for w in words]
     else:
-        entries = values.to(hist_dtype)
+        entries = [e.to(hist_dtype) for e in pattern_entries(values)]
+    keys = torch.empty_like(words[0])
     rounds = RADIX_ROUNDS[dtype]
     remaining = sum(rounds)
     prefix = torch.zeros(values.shape[0], 1, dtype=torch.int64, device=values.device)
     above = torch.zeros(values.shape[0], dtype=torch.float64, device=values.device)
     for i, width in enumerate(rounds):
         remaining -= width
-        hist = radix_histogram(keys, entries, prefix, remaining, width, hist_dtype)
+        hist = radix_histogram(
+            words, entries, keys, prefix, base_shift + remaining, width, hist_dtype
+        )
         hist = comm.all_reduce(hist, "sum")
         if i == 0 and by == "share":
             target = target * hist.sum(-1, dtype=torch.float64)
@@ -478,10 +485,12 @@ def _grid_total(sums: Tensor, layout: Layout) -> Tensor:
     return sums[:, : layout.grid].sum(-1) + sums[:, layout.grid :].sum(-1)
 
 
-def _cuts(comm: _Comm, weights: Tensor, call: _Call, maxima: Tensor) -> Tensor | None:
+def _cuts(comm: _Comm, buffer: Tensor, call: _Call, maxima: Tensor) -> Tensor | None:
     """The global per-row threshold ``max(cut_k, cut_p, cut_min)`` (as in
-    ``fastsample.controls._cuts``), or None when no control cuts."""
+    ``fastsample.controls._cuts``), or None when no control cuts. ``buffer`` is the even-width
+    weight buffer of :func:`~fastsample._shard.shard_weights`."""
     controls, layout = call.controls, call.layout
+    weights = buffer[:, : layout.width]
     batch = weights.shape[0]
     f64 = torch.zeros(batch, dtype=torch.float64, device=weights.device)
     cut: Tensor | None = None
@@ -500,7 +509,7 @@ def _cuts(comm: _Comm, weights: Tensor, call: _Call, maxima: Tensor) -> Tensor |
         cut = candidates[:, -1]
     elif k is not None:
         k_rows = _as_rows(k, batch, f64)
-        cut = _radix_threshold(comm, weights, k_rows, "count", layout)
+        cut = _radix_threshold(comm, buffer, k_rows, "count", layout)
         cut = torch.where((k_rows > 0) & (k_rows < layout.vocab), cut, 0.0)
     if controls.top_p is not None:
         if candidates is not None and isinstance(controls.top_p, float):
@@ -513,7 +522,7 @@ def _cuts(comm: _Comm, weights: Tensor, call: _Call, maxima: Tensor) -> Tensor |
             cut_p = _top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
         else:
             # Radix on the top-k survivors: above cut_k their upper sets are the weights' own.
-            survivors = weights if cut is None else torch.where(weights >= cut[:, None], weights, 0)
+            survivors = buffer if cut is None else torch.where(buffer >= cut[:, None], buffer, 0)
             p = _as_rows(controls.top_p, batch, f64)
             cut_p = _radix_threshold(comm, survivors, p, "share", layout)
             cut_p = torch.where(p < 1, cut_p, 0.0)
@@ -676,9 +685,10 @@ def _sample(comm: _Comm, call: _Call) -> SampleOutput:
         )
 
     # 2. Weights with the global maximum, the global cuts, then the slot masses.
-    weights = shard_weights(call.logits, call.probs, controls, top, finite, layout)
+    buffer = shard_weights(call.logits, call.probs, controls, top, finite, layout)
+    weights = buffer[:, : layout.width]
     valid = finite & _controls_in_range(controls, batch, device)
-    cut = _cuts(comm, weights, call, maxima)
+    cut = _cuts(comm, buffer, call, maxima)
     if cut is not None:
         weights, _ = keep_at_least(weights, cut, out=weights)
     sums = comm.all_reduce(slot_sums(weights, layout), "sum").to(torch.float64)
@@ -702,10 +712,12 @@ def _sample(comm: _Comm, call: _Call) -> SampleOutput:
         fraction = ((target - (prefix.gather(1, slot) - slot_sum)) / slot_sum).clamp_(0, 1)
         more = k + 1 < n
         token, weight, left, owned = draw_in_slot(weights, layout, slot, fraction, token_ids, more)
-        parts = [token.to(torch.float64), weight] + ([left] if left is not None else [])
-        nowhere = torch.tensor([-1.0] + [-math.inf] * (len(parts) - 1), device=device)
-        payload = torch.where(owned, torch.cat(parts, dim=1).nan_to_num(nan=-math.inf), nowhere)
-        result = comm.all_reduce(payload, "max")
+        # Ranks that do not own the slot send values below any real one (scalars in torch.where:
+        # no host-to-device copy on the hot path); NaN (bad rows) must not win the MAX.
+        parts = [torch.where(owned, token.to(torch.float64), -1.0)]
+        for value in (weight, left) if left is not None else (weight,):
+            parts.append(torch.where(owned, value.nan_to_num(nan=-math.inf), -math.inf))
+        result = comm.all_reduce(torch.cat(parts, dim=1), "max")
         token = result[:, :1].clamp(0, layout.vocab - 1).long()
         is_genuine = remaining > 0
         if token_ids:  # a row that ran out of kept tokens repeats its previous draw
