@@ -752,3 +752,26 @@ def test_bench_distributed_runs(tmp_path, capsys):
             assert row["speedup_vs_gather"] > 0 and row["collectives"] >= 1
             assert 0 < row["payload_bytes"] <= 4 * 1024 * 8 * row["collectives"]
     assert "vs gather" in capsys.readouterr().out
+
+
+def test_readme_script_runs(tmp_path):
+    """The README's standalone 2-process script runs as a user would run it."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    scripts = [b for b in blocks if b.startswith("# not run here: a standalone script")]
+    assert len(scripts) == 1
+    path = tmp_path / "vocab_parallel.py"
+    path.write_text(scripts[0])
+    src = pathlib.Path(fsd.__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert len(lines) == 2 and lines[0][7:] == lines[1][7:], lines
