@@ -10,7 +10,8 @@ Why it is exact. Everything :func:`fastsample.sample` computes is a per-row redu
 vocabulary, and each of them combines across shards:
 
 * the row maximum (for ``exp((x - max) / T)``), the greedy token (first maximal index) and
-  validity: one all-gather of ``(B, 3)`` per-shard summaries;
+  validity: one all-gather of a few per-shard summaries per row (each rank then reduces the
+  ``world`` rows in the same order, so every rank gets the same answer);
 * the top-k and top-p thresholds: exact order statistics of the weights. With a Python
   ``top_k <= 1024`` the global k largest weights are among the union of each shard's k largest,
   so one all-gather of ``(B, k)`` candidates gives the exact k-th largest (ties counted); the
@@ -35,9 +36,11 @@ Bitwise equality with one process. When every shard starts on a multiple of
 slots are the single-process blocks and every weight, block sum, prefix, uniform and in-block
 scan is computed by the same ops on the same values: the tokens, probabilities and
 log-probabilities are bitwise those of :func:`fastsample.sample` with the same seeds and
-steps. One exception, inherited from the radix selection: a tensor (radix) top-p cut compares
-float32 bucket masses that the shards accumulate in another order, so the kept set can differ
-when ``top_p * mass`` lies within float32 rounding (~1e-7 relative) of a cumulative mass. With
+steps. Two exceptions. A radix top-p cut compares float32 bucket masses that the shards
+accumulate in another order, so the kept set can differ when ``top_p * mass`` lies within
+float32 rounding (~1e-7 relative) of a cumulative mass. For ``probs`` with a temperature, torch's
+CPU ``pow`` rounds the last bit of an entry differently in the vectorized body and the tail of
+its loop, so a weight can differ by one ulp from the one-process weight of the same entry. With
 unaligned shards (or a vocabulary past ~262k entries, where slots of ``256 * m`` entries keep
 the collective at <= 1024 values per row) the draw is exact in distribution but its float
 rounding differs from the single-process one, so the tokens agree only in law.
@@ -47,18 +50,22 @@ What is communicated per call (``B`` rows, ``n = num_samples``, values per row):
 =====================================  ==============================  =====================
 stage                                  collective                      values per row
 =====================================  ==============================  =====================
-max, validity, greedy (always)         all-gather float64              3 (+ 2n greedy with
-                                                                       ``n > 1``, + n uniforms
-                                                                       when ``seed`` is None)
+max, validity, greedy (always)         all-gather float64              2 (+1 greedy id, or +2n
+                                                                       with ``n > 1``, when a
+                                                                       row can be greedy; +n
+                                                                       uniforms when ``seed`` is
+                                                                       None)
 top-k, Python ``k <= 1024``            all-gather                      k
-top-k otherwise                        3 x all-reduce SUM (7 float64)  1024
+top-k otherwise                        3 x all-reduce SUM float32      1024
+                                       (7 for float64 input)
 top-p after candidate top-k, Python p  all-reduce SUM                  S <= 1024
-top-p otherwise                        3 x all-reduce SUM (7 float64)  1024
+top-p otherwise                        3 x all-reduce SUM (7)          1024
 draw: slot masses                      all-reduce SUM                  S <= 1024
 draw: each of the n draws              all-reduce MAX float64          3 (2 for the last)
 =====================================  ==============================  =====================
 
-A Python ``temperature=0`` (all greedy) needs only the first all-gather. Never ``O(B x V)``;
+``S = ceil(vocab_size / 256) + world`` slots (float32 for float32 weights). A Python
+``temperature=0`` (all greedy) needs only the first all-gather. Never ``O(B x V)``;
 no host sync beyond the collectives themselves (all shapes and the number of collectives are
 fixed by the Python arguments). :func:`record_traffic` records each call's collectives and
 bytes.
