@@ -40,7 +40,7 @@ import fastsample as fs
 from fastsample import _shard
 from fastsample import distributed as fsd
 from reference import reference_probs, robust_min_p, robust_top_p
-from stattests import assert_law, law_rejected
+from stattests import assert_law, law_rejected, plackett_luce
 
 WORLDS = (2, 4)
 GROUP_TIMEOUT = 240.0  # seconds for one world's whole run (it takes ~10-20 s)
@@ -111,7 +111,7 @@ def bitwise_cases():
             yield (name, "logits", "float32", n)
             if name in ("k=1500 (radix)", "min_p=0.05", "plain"):
                 yield (name, "probs", "float32", n)
-    for dtype in ("bfloat16", "float64"):
+    for dtype in ("float16", "bfloat16", "float64"):
         yield ("tensor", "logits", dtype, 1)
         yield ("T=0.7 k=50 p=0.9", "logits", dtype, 3)
 
@@ -143,8 +143,11 @@ def scenario_bitwise(rank: int, world: int) -> dict:
             step=11,
             **kwargs,
         )
-    # seed=None: every rank's generator differs, rank 0's uniforms are used.
     x, ctl = bitwise_input("logits", "float32")
+    out["stream"] = fsd.sample(
+        shard(x, span), vocab_start=span[0], vocab_size=ALIGNED_VOCAB, seed=SEEDS, stream=7
+    )
+    # seed=None: every rank's generator differs, rank 0's uniforms are used.
     torch.manual_seed(1000 + rank)
     out["generator"] = fsd.sample(
         shard(x, span), vocab_start=span[0], vocab_size=ALIGNED_VOCAB, num_samples=2, **ctl
@@ -274,6 +277,42 @@ def scenario_exact(rank: int, world: int) -> dict:
         out["coarse"] = draw_counts(span, COARSE_VOCAB, xs, controls, scalar=True)
         layout = _shard.make_layout(span[0], span[1] - span[0], COARSE_VOCAB, rank, world)
         out["coarse per_slot"] = layout.per_slot
+    finally:
+        _shard.MAX_SLOTS = saved
+    return out
+
+
+# Joint law of two draws without replacement: 8 finite tokens spread over every shard (the
+# single-token one included, and both sides of coarse-slot and shard boundaries).
+JOINT_IDS = {
+    UNEVEN_VOCAB: [0, 19, 20, 21, 36, 37, 45, 49],
+    COARSE_VOCAB: [0, 511, 512, 700, 998, 999, 1000, 1599],
+}
+JOINT_LOGITS = [1.0, 0.2, -0.5, 0.7, 0.0, 1.3, -1.0, 0.4]
+JOINT_DRAWS = 20000
+
+
+def joint_row(vocab: int) -> torch.Tensor:
+    x = torch.full((1, vocab), -math.inf)
+    x[0, JOINT_IDS[vocab]] = torch.tensor(JOINT_LOGITS)
+    return x
+
+
+def joint_pairs(span, vocab: int, draws: int) -> torch.Tensor:
+    rows = shard(joint_row(vocab), span).expand(draws, -1)
+    out = fsd.sample(
+        rows, vocab_start=span[0], vocab_size=vocab, num_samples=2, seed=torch.arange(draws)
+    )
+    assert bool(out.valid.all())
+    return out.token_ids
+
+
+def scenario_joint(rank: int, world: int) -> dict:
+    out = {"uneven": joint_pairs(UNEVEN[world][rank], UNEVEN_VOCAB, JOINT_DRAWS)}
+    saved = _shard.MAX_SLOTS
+    _shard.MAX_SLOTS = 8
+    try:
+        out["coarse"] = joint_pairs(COARSE[world][rank], COARSE_VOCAB, JOINT_DRAWS)
     finally:
         _shard.MAX_SLOTS = saved
     return out
@@ -409,6 +448,7 @@ SCENARIOS = {
     "bitwise": scenario_bitwise,
     "uneven": scenario_uneven,
     "exact": scenario_exact,
+    "joint": scenario_joint,
     "greedy_ties": scenario_greedy_ties,
     "invalid": scenario_invalid,
     "traffic": scenario_traffic,
@@ -512,6 +552,9 @@ def test_bitwise_equal_to_one_process_on_aligned_shards(group):
         for rank, per_rank in enumerate(got):
             assert same(per_rank[case], want), f"{case} rank {rank}"
     x, ctl = bitwise_input("logits", "float32")
+    want = fs.sample(x, seed=SEEDS, stream=7)
+    for per_rank in got:
+        assert same(per_rank["stream"], want)
     torch.manual_seed(1000)  # rank 0's generator state
     want = fs.sample(x, num_samples=2, **ctl)
     for per_rank in got:
@@ -571,6 +614,25 @@ def test_negative_controls_are_rejected(group):
     assert law_rejected(neg["buggy"], right)
     assert law_rejected(neg["biased"], right)
     assert not law_rejected(neg["ours"][0], right)
+
+
+def test_joint_law_of_two_draws_without_replacement(group):
+    """Ordered pairs against exact Plackett-Luce probabilities (chi-square, p < 1e-6), on
+    uneven shards and on coarse slots: the removal of the first draw works across shards."""
+    got = results(group, "joint")
+    for name, vocab in (("uneven", UNEVEN_VOCAB), ("coarse", COARSE_VOCAB)):
+        pairs = got[0][name]
+        for per_rank in got[1:]:
+            assert torch.equal(per_rank[name], pairs)
+        ids = JOINT_IDS[vocab]
+        tuples = np.array([(a, b) for a in range(8) for b in range(8) if a != b])
+        position = {token: i for i, token in enumerate(ids)}
+        index = {tuple(t): i for i, t in enumerate(tuples.tolist())}
+        counts = np.zeros(len(tuples))
+        for a, b in pairs.tolist():
+            counts[index[(position[a], position[b])]] += 1
+        law = plackett_luce(np.exp(np.array(JOINT_LOGITS)), tuples)
+        assert_law(counts, law, what=f"{name} pairs")
 
 
 def test_greedy_ties_go_to_the_lowest_global_id(group):
