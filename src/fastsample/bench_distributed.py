@@ -28,6 +28,7 @@ import math
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -100,7 +101,8 @@ def _gather_then_sample(shard: Tensor, vocab: int, width: int, controls: dict, s
 
 
 def _rank_main(rank: int, world: int, port: int, opts: dict, outdir: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Loopback only (macOS names it lo0); an explicit setting wins.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
         "gloo",

@@ -104,6 +104,7 @@ from .controls import (
     check_source,
     keep_at_least,
 )
+from .noise import UniformSource
 from .race import repeat_last_genuine
 from .sampling import SampleOutput
 from .seeds import make_source
@@ -245,7 +246,7 @@ class _Call:
     controls: Controls
     num_samples: int
     seeded: bool
-    uniforms: object  # the UniformSource
+    uniforms: UniformSource
 
 
 def _check_int(value: object, name: str) -> int:
@@ -316,19 +317,24 @@ _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.flo
 
 
 def _fingerprint(values: list[object]) -> int:
-    """A 62-bit digest of Python numbers and tensors (as float64 bit patterns), to compare
-    what the ranks passed; ``None`` and Python numbers and tensors never collide by kind."""
+    """A 62-bit digest of Python numbers and tensors, to compare what the ranks passed
+    (integers exactly, floats by their float64 bit patterns; the kind of each value counts)."""
     digest = 0
     for i, value in enumerate(values):
         if value is None:
             kind, part = 1, 0
         elif isinstance(value, Tensor):
-            bits = value.detach().to(torch.float64).reshape(-1).view(torch.int64).cpu()
+            if value.dtype.is_floating_point:
+                bits = value.detach().to(torch.float64).reshape(-1).view(torch.int64).cpu()
+            else:
+                bits = value.detach().to(torch.int64).reshape(-1).cpu()
             weights = torch.arange(bits.numel(), dtype=torch.int64) * 2 + 2 * i + 1
             kind, part = 2, int((bits * weights).sum()) ^ bits.numel()
+        elif isinstance(value, int):
+            kind, part = 3, value
         else:
             as_tensor = torch.tensor(float(value), dtype=torch.float64)  # type: ignore[arg-type]
-            kind, part = 3, int(as_tensor.view(torch.int64))
+            kind, part = 4, int(as_tensor.view(torch.int64))
         digest = (digest * 1000003 + kind * 7919 + part) & ((1 << 62) - 1)
     return digest
 
@@ -654,7 +660,7 @@ def _sample(comm: _Comm, call: _Call) -> SampleOutput:
         columns.append(torch.nn.functional.pad(ids, pad, value=float(layout.vocab)))
     draws_random = not controls.all_greedy
     if draws_random and not call.seeded:
-        columns.append(call.uniforms.row_uniforms(n))  # type: ignore[attr-defined]
+        columns.append(call.uniforms.row_uniforms(n))
     table = comm.all_gather(torch.cat(columns, dim=1))  # (world, B, c)
     top = table[:, :, 0].amax(0)
     clean = ~(table[:, :, 1].amax(0) > 0)
@@ -704,8 +710,7 @@ def _sample(comm: _Comm, call: _Call) -> SampleOutput:
 
     # 3. The draws: every rank picks the same slot; its owner scans it; MAX shares the result.
     # Counter-based uniforms are the same on every rank; generator ones are rank 0's.
-    seeded = call.seeded
-    uniforms = call.uniforms.row_uniforms(n) if seeded else table[0, :, -n:]  # type: ignore[attr-defined]
+    uniforms = call.uniforms.row_uniforms(n) if call.seeded else table[0, :, -n:]
     floor = torch.zeros((), dtype=torch.float64, device=device)
     token_ids: list[Tensor] = []
     genuine: list[Tensor] = []
