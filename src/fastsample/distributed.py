@@ -15,7 +15,8 @@ vocabulary, and each of them combines across shards:
 * the top-k and top-p thresholds: exact order statistics of the weights. With a Python
   ``top_k <= 1024`` the global k largest weights are among the union of each shard's k largest,
   so one all-gather of ``(B, k)`` candidates gives the exact k-th largest (ties counted); the
-  top-p cut then needs the survivors' mass (one all-reduce of slot sums, below). Otherwise
+  top-p cut then needs the survivors' mass: the candidates above the cut plus the ties at it,
+  counted on every shard (one ``(B,)`` all-reduce). Otherwise
   (tensor ``top_k``/``top_p``, larger ``k``) the radix selection of :mod:`fastsample.select` runs
   across shards: its per-round histograms of bit-pattern digits are additive, so a SUM
   all-reduce of each round's ``(B, 1024)`` histogram gives every rank the global histogram and
@@ -58,7 +59,7 @@ max, validity, greedy (always)         all-gather float64              2 (+1 gre
 top-k, Python ``k <= 1024``            all-gather                      k
 top-k otherwise                        3 x all-reduce SUM float32      1024
                                        (7 for float64 input)
-top-p after candidate top-k, Python p  all-reduce SUM                  S <= 1024
+top-p after candidate top-k, Python p  all-reduce SUM float64         1 (ties at cut_k)
 top-p otherwise                        3 x all-reduce SUM (7)          1024
 draw: slot masses                      all-reduce SUM                  S <= 1024
 draw: each of the n draws              all-reduce MAX float64          3 (2 for the last)
@@ -99,6 +100,7 @@ from .controls import (
     Controls,
     _as_rows,
     _controls_in_range,
+    _predecessor,
     _top_p_cut_from_candidates,
     check_controls,
     check_source,
@@ -527,11 +529,11 @@ def _cuts(comm: _Comm, buffer: Tensor, call: _Call, maxima: Tensor) -> Tensor | 
     if controls.top_p is not None:
         if candidates is not None and isinstance(controls.top_p, float):
             assert cut is not None
-            # The survivors' mass exactly as one process sums it: block sums on the same grid.
-            survivors, scale = keep_at_least(weights, cut)
-            sums = comm.all_reduce(slot_sums(survivors, layout), "sum")
-            mass = _grid_total(sums, layout) * scale.to(torch.float64)
-            del survivors
+            # The survivors' mass as one process sums it: every survivor above cut_k is a
+            # (merged) candidate, the rest are ties at cut_k, counted on every shard.
+            ties = comm.all_reduce((buffer == cut[:, None]).sum(-1, dtype=torch.float64), "sum")
+            strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
+            mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
             cut_p = _top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
         else:
             # Radix on the top-k survivors: above cut_k their upper sets are the weights' own.
@@ -701,9 +703,16 @@ def _sample(comm: _Comm, call: _Call) -> SampleOutput:
     buffer = shard_weights(call.logits, call.probs, controls, top, finite, layout)
     weights = buffer[:, : layout.width]
     valid = finite & _controls_in_range(controls, batch, device)
-    cut = _cuts(comm, buffer, call, maxima)
-    if cut is not None:
-        weights, _ = keep_at_least(weights, cut, out=weights)
+    only_min_p = controls.top_k is None and controls.top_p is None
+    if only_min_p and isinstance(controls.min_p, float) and is_logits:
+        # As one process: every row's largest weight is exactly 1, so the cut is one number
+        # for the batch, kept as w > its predecessor, in place, no division.
+        predecessor = _predecessor(controls.min_p, weights.dtype)
+        torch.nn.functional.threshold_(buffer, predecessor, 0.0)
+    else:
+        cut = _cuts(comm, buffer, call, maxima)
+        if cut is not None:
+            weights, _ = keep_at_least(weights, cut, out=weights)
     sums = comm.all_reduce(slot_sums(weights, layout), "sum").to(torch.float64)
     total = _grid_total(sums, layout)
     valid = valid & (total > 0) & (total < math.inf)
