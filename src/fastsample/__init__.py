@@ -9,7 +9,9 @@ Public API (flat and functional, every function shares argument names):
   (logits or probabilities), and the processed distribution they sample from;
 * :class:`SampleOutput` -- what samplers return;
 * :class:`Stream`, :func:`advance_step` -- counter-based per-request randomness
-  (``seed=``, ``step=``, ``stream=`` on every sampler).
+  (``seed=``, ``step=``, ``stream=`` on every sampler);
+* :mod:`fastsample.distributed` -- ``distributed.sample``, the same sampling on a vocabulary
+  sharded across the ranks of a ``torch.distributed`` group, without gathering the logits.
 
 Where things live: ``sampling.py`` orchestrates (argument checks, method choice, bad-row
 policy); ``race.py`` and ``inverse_cdf.py`` are the two exact draw algorithms;
@@ -20,6 +22,7 @@ which randomness enters, ``seeds.py`` and ``philox.py`` its counter-based source
 bench`` (``bench_controls.py`` its ``--controls`` part).
 """
 
+from . import distributed
 from .controls import process
 from .sampling import SampleOutput, fast_sample, sample, sample_from_probs
 from .seeds import Stream, advance_step
@@ -28,6 +31,7 @@ __all__ = [
     "SampleOutput",
     "Stream",
     "advance_step",
+    "distributed",
     "fast_sample",
     "process",
     "sample",

@@ -669,6 +669,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "greedy) on float32 logits against an HF-style pipeline, at the first --batch and "
         "--vocab (default 64 x 128256)",
     )
+    parser.add_argument(
+        "--distributed",
+        type=int,
+        metavar="W",
+        help="benchmark fastsample.distributed.sample on W gloo processes (loopback) against "
+        "gather-then-sample, at the first --batch and --vocab (default 64 x 128256)",
+    )
     parser.add_argument("--json", metavar="PATH", help="save results and machine info as JSON")
     parser.add_argument(
         "--plot",
@@ -737,6 +744,10 @@ def run_bench(
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m fastsample bench``."""
+    if args.distributed is not None:
+        from . import bench_distributed
+
+        return bench_distributed.run(args)
     if args.controls:
         from . import bench_controls
 
