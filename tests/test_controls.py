@@ -138,6 +138,17 @@ def test_process_from_probs_matches_reference():
     del rng
 
 
+def test_equal_probabilities_stay_ties_under_temperature():
+    """Equal inputs get bitwise equal weights wherever they sit in the row (torch's CPU pow
+    does not guarantee this between its vector body and loop tail; exp(log) does)."""
+    gen = torch.Generator().manual_seed(8)
+    values = torch.rand(1007, generator=gen)
+    probs = torch.cat([values, values.flip(0)])[None].expand(3, -1)
+    for temperature in (0.7, torch.tensor([0.7, 1.3, 2.0])):
+        got = fs.process(probs=probs, temperature=temperature, top_k=600)
+        assert torch.equal(got[:, :1007], got[:, 1007:].flip(1))
+
+
 def test_process_top_k_ties_and_greedy_ties():
     x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, -math.inf, 0.0]])
     # k = 3: the third largest is 2, so every 2 is kept (ties at the boundary).

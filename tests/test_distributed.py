@@ -105,12 +105,11 @@ SEEDS = torch.arange(48) * 7919 + 5
 
 
 def bitwise_cases():
-    """``(key, source name, dtype, setting, n)``; probabilities only without temperature:
-    torch's CPU ``pow`` rounds the last bit by vector position, see the README."""
+    """``(key, source name, dtype, setting, n)``."""
     for name in BITWISE_SETTINGS:
         for n in (1, 3):
             yield (name, "logits", "float32", n)
-            if name in ("k=1500 (radix)", "min_p=0.05", "plain"):
+            if name in ("k=1500 (radix)", "min_p=0.05", "plain", "T=0.7 k=50 p=0.9"):
                 yield (name, "probs", "float32", n)
     for dtype in ("float16", "bfloat16", "float64"):
         yield ("tensor", "logits", dtype, 1)

@@ -158,9 +158,9 @@ def shard_weights(
     torch.div(probs, torch.where(finite, top, 1.0)[:, None], out=out)
     if isinstance(temperature, Tensor):
         usable = (temperature > 0) & (temperature < math.inf)
-        out.pow_(torch.where(usable, temperature, 1.0).to(dtype).reciprocal()[:, None])
+        out.log_().div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None]).exp_()
     elif temperature is not None and temperature != 0.0:
-        out.pow_(1.0 / temperature)
+        out.log_().div_(temperature).exp_()
     return weights
 
 

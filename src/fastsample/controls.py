@@ -223,11 +223,13 @@ def _weights_from_probs(
     torch.div(probs, torch.where(finite, best, 1.0)[:, None], out=out)
     if temperature is None:
         return weights, torch.ones_like(best), finite
+    # (p / max p)^(1/T) as exp(log(.) / T): torch's CPU pow rounds the same input differently
+    # in the vectorized body and the tail of its loop, which would split ties.
     if isinstance(temperature, Tensor):
         usable = (temperature > 0) & (temperature < math.inf)
-        out.pow_(torch.where(usable, temperature, 1.0).to(dtype).reciprocal()[:, None])
+        out.log_().div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None]).exp_()
     elif temperature != 0.0:
-        out.pow_(1.0 / temperature)
+        out.log_().div_(temperature).exp_()
     return weights, torch.ones_like(best), finite
 
 

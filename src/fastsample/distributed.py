@@ -37,11 +37,11 @@ Bitwise equality with one process. When every shard starts on a multiple of
 slots are the single-process blocks and every weight, block sum, prefix, uniform and in-block
 scan is computed by the same ops on the same values: the tokens, probabilities and
 log-probabilities are bitwise those of :func:`fastsample.sample` with the same seeds and
-steps. Two exceptions. A radix top-p cut compares float32 bucket masses that the shards
+steps. One exception: a radix top-p cut compares float32 bucket masses that the shards
 accumulate in another order, so the kept set can differ when ``top_p * mass`` lies within
-float32 rounding (~1e-7 relative) of a cumulative mass. For ``probs`` with a temperature, torch's
-CPU ``pow`` rounds the last bit of an entry differently in the vectorized body and the tail of
-its loop, so a weight can differ by one ulp from the one-process weight of the same entry. With
+float32 rounding (~1e-7 relative) of a cumulative mass. (``probs`` with a temperature are
+raised to ``1/T`` as ``exp(log(p) / T)``, not with ``pow``, whose CPU kernel rounds an entry
+by its position in the vector loop; see :mod:`fastsample.controls`.) With
 unaligned shards (or a vocabulary past ~262k entries, where slots of ``256 * m`` entries keep
 the collective at <= 1024 values per row) the draw is exact in distribution but its float
 rounding differs from the single-process one, so the tokens agree only in law.
