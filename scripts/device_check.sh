@@ -25,4 +25,7 @@ timeout 120 python -m fastsample selfcheck --device cuda 2>&1 | tee "$OUT/selfch
 
 timeout 300 python -m fastsample bench --device cuda --json "$OUT/bench-cuda.json" \
     2>&1 | tee "$OUT/bench-cuda.txt" || status=1
+
+timeout 200 python -m fastsample bench --controls --device cuda --json "$OUT/bench-controls-cuda.json" \
+    2>&1 | tee "$OUT/bench-controls-cuda.txt" || status=1
 exit $status

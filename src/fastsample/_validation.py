@@ -112,3 +112,43 @@ def check_probs_values(probs: Tensor, name: str = "probs") -> None:
             "be finite and non-negative with a positive sum. Without check=True such rows "
             "are reported as valid=False instead of raising."
         )
+
+
+def check_source_values(logits: Tensor | None, probs: Tensor | None) -> None:
+    """Opt-in (``check=True``, syncs): raise ``ValueError`` naming the first bad row.
+
+    Logits: NaN or ``+inf`` anywhere, or every entry ``-inf``. Probabilities: as
+    :func:`check_probs_values`.
+    """
+    if probs is not None:
+        check_probs_values(probs)
+        return
+    assert logits is not None
+    bad = logits.isnan().any(-1) | (logits == torch.inf).any(-1) | (logits == -torch.inf).all(-1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        values = logits[row]
+        if bool(values.isnan().any()):
+            why = "contains NaN"
+        elif bool((values == torch.inf).any()):
+            why = "contains +inf"
+        else:
+            why = "is all -inf (every token masked)"
+        raise ValueError(f"logits row {row} {why}")
+
+
+def check_control_values(controls: object) -> None:
+    """Opt-in (``check=True``, syncs): raise naming the first out-of-range tensor control."""
+    rules = {
+        "temperature": (lambda t: (t >= 0) & (t < torch.inf), "must be >= 0 and finite"),
+        "top_k": (lambda k: k >= 0, "must be >= 0"),
+        "top_p": (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"),
+        "min_p": (lambda m: (m >= 0) & (m <= 1), "must be in [0, 1]"),
+    }
+    for name, (ok, rule) in rules.items():
+        value = getattr(controls, name)
+        if isinstance(value, Tensor):
+            bad = ~ok(value)
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                raise ValueError(f"{name}[{row}] = {value[row].item()} {rule}")

@@ -662,6 +662,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input logits")
+    parser.add_argument(
+        "--controls",
+        action="store_true",
+        help="benchmark fastsample.sample's controls (temperature, top-k, top-p, min-p, "
+        "greedy) on float32 logits against an HF-style pipeline, at the first --batch and "
+        "--vocab (default 64 x 128256)",
+    )
+    parser.add_argument(
+        "--distributed",
+        type=int,
+        metavar="W",
+        help="benchmark fastsample.distributed.sample on W gloo processes (loopback) against "
+        "gather-then-sample, at the first --batch and --vocab (default 64 x 128256)",
+    )
     parser.add_argument("--json", metavar="PATH", help="save results and machine info as JSON")
     parser.add_argument(
         "--plot",
@@ -739,6 +753,14 @@ def run(args: argparse.Namespace) -> int:
         from .bench_verify import run_verify
 
         return run_verify(args)
+    if args.distributed is not None:
+        from . import bench_distributed
+
+        return bench_distributed.run(args)
+    if args.controls:
+        from . import bench_controls
+
+        return bench_controls.run(args)
     if args.plot:
         _require_matplotlib()  # fail before minutes of benchmarking, not after
     device = _pick_device(args.device)

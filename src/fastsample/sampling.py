@@ -15,10 +15,12 @@ import torch
 from torch import Tensor
 
 from . import _validation as v
+from .controls import Processed, check_controls, check_source, processed_weights
 from .inverse_cdf import inverse_cdf_draw, row_summaries
 from .noise import UniformSource
-from .race import race_draw
+from .race import race_draw, repeat_last_genuine
 from .seeds import make_source
+from .select import block_maxima, first_argmax, top_entries
 
 
 class SampleOutput(NamedTuple):
@@ -34,11 +36,21 @@ class SampleOutput(NamedTuple):
             zero (or float32-overflowing) total; also False for rows with fewer positive
             weights than ``n``: their genuine draws come first and the later slots
             repeat the last genuine draw with ``probs`` 0 (never a zero-weight token).
+        logprobs: ``(B, n)`` float32 (float64 for float64 input), ``log`` of ``probs``
+            computed in float64 (``-inf`` where ``probs`` is 0).
+        top_token_ids: ``(B, N) int64`` with ``top_logprobs=N`` in :func:`sample`: the N
+            most likely tokens of the processed distribution, most likely first (ties by
+            the lower index); None otherwise.
+        top_logprobs: ``(B, N)`` their log-probabilities (``-inf`` outside the kept set
+            and for invalid rows); None unless requested.
     """
 
     token_ids: Tensor
     probs: Tensor
     valid: Tensor
+    logprobs: Tensor | None = None
+    top_token_ids: Tensor | None = None
+    top_logprobs: Tensor | None = None
 
 
 # Method choice for method="auto", from medians measured with `python -m fastsample bench`
@@ -69,7 +81,6 @@ def choose_method(probs: Tensor, num_samples: int, seeded: bool = False) -> str:
 
 def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -> SampleOutput:
     """Draw with ``method`` and apply the bad-row policy. Arguments already checked."""
-    batch = probs.shape[0]
     # Per-row fixed-shape reductions (batch-invariant, bitwise). The minimum propagates NaN,
     # so NaN rows fail `>= 0` below.
     sums, smallest = row_summaries(probs)
@@ -81,13 +92,25 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
     # `total > 0` fails for NaN and -inf, `total < inf` for +inf (one op each; isfinite is 3).
     clean = (smallest >= 0) & (total > 0) & (total < math.inf)
 
-    out_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
-    token_probs = (probs.gather(1, token_ids).to(torch.float64) / total[:, None]).to(out_dtype)
-    fallback = torch.arange(num_samples, device=probs.device).expand(batch, num_samples)
+    return _finish(probs, token_ids, genuine, total, clean)
+
+
+def _finish(
+    weights: Tensor, token_ids: Tensor, genuine: Tensor, total: Tensor, clean: Tensor
+) -> SampleOutput:
+    """Probabilities, log-probabilities and the bad-row policy for drawn ``token_ids``."""
+    batch, num_samples = token_ids.shape
+    out_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    drawn = weights.gather(1, token_ids).to(torch.float64)
+    keep = clean[:, None] & genuine
+    token_probs = torch.where(keep, drawn / total[:, None], 0.0)
+    logprobs = torch.where(keep, drawn.log() - total.log()[:, None], -math.inf)
+    fallback = torch.arange(num_samples, device=weights.device).expand(batch, num_samples)
     token_ids = torch.where(clean[:, None], token_ids, fallback)
-    token_probs = torch.where(clean[:, None] & genuine, token_probs, 0.0)
     all_genuine = genuine[:, 0] if num_samples == 1 else genuine.all(-1)
-    return SampleOutput(token_ids, token_probs, clean & all_genuine)
+    return SampleOutput(
+        token_ids, token_probs.to(out_dtype), clean & all_genuine, logprobs.to(out_dtype)
+    )
 
 
 def _checked_source(
@@ -211,3 +234,183 @@ def fast_sample(
     source = _checked_source(probs, num_samples, generator, seed, step, stream, check)
     token_ids = _draw(probs, num_samples, "race", source).token_ids
     return probs.gather(1, token_ids), token_ids
+
+
+def _check_top_logprobs(top_logprobs: object, vocab: int) -> int:
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int):
+        raise TypeError(f"top_logprobs must be a Python int, got {type(top_logprobs).__name__}")
+    if not 0 <= top_logprobs <= vocab:
+        raise ValueError(
+            f"top_logprobs must be between 0 and the vocabulary size {vocab}, got {top_logprobs}"
+        )
+    return top_logprobs
+
+
+def _greedy_draws(
+    source: Tensor, is_logits: bool, num_samples: int, processed: Processed
+) -> tuple[Tensor, Tensor]:
+    """Greedy ids ``(B, n)`` and which are genuine: the first maximal index, and for ``n > 1``
+    the ``n`` largest entries in order (the ``T -> 0`` limit of draws without replacement);
+    masked entries (``-inf`` logits, zero probabilities) are never genuine."""
+    assert processed.greedy_ids is not None
+    if num_samples == 1:
+        ids = processed.greedy_ids[:, None]
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    values, ids = top_entries(source, num_samples, processed.maxima)
+    genuine = values > (-math.inf if is_logits else 0.0)
+    return repeat_last_genuine(ids, genuine), genuine
+
+
+def sample(
+    logits: Tensor | None = None,
+    probs: Tensor | None = None,
+    *,
+    temperature: float | Tensor | None = None,
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    num_samples: int = 1,
+    seed: int | Tensor | None = None,
+    step: int | Tensor | None = None,
+    stream: int | Tensor = 0,
+    generator: torch.Generator | None = None,
+    top_logprobs: int = 0,
+    check: bool = False,
+) -> SampleOutput:
+    """Sample with temperature, top-k, top-p, min-p and greedy, per row, exactly.
+
+    Math: each row's processed distribution is ``w / sum(w)`` with weights
+    ``w = exp((x - max x) / T)`` (``(p / max p)^(1/T)`` for ``probs``) kept where
+    ``w_i >= max(cut_k, cut_p, cut_min)``:
+
+    1. ``cut_k``: the k-th largest weight (ties at the boundary kept);
+    2. ``cut_p``: on the top-k survivors renormalized, the largest threshold whose kept
+       mass is ``>= top_p`` (the smallest most-likely set reaching ``top_p``, ties kept);
+    3. ``cut_min = min_p * max w``.
+
+    Then ``num_samples`` ordered draws without replacement (blocked inverse CDF, one 53-bit
+    uniform per row per draw). ``T == 0`` is greedy: the first index among the maximal
+    entries (for ``n > 1``, the ``n`` largest, ties by the lower index), probability 1.
+    No vocabulary sort: the cuts are exact radix selections (:mod:`fastsample.select`).
+
+    Args:
+        logits, probs: exactly one, ``(B, V)`` float16/bfloat16/float32/float64. ``-inf``
+            logits (masks) and zero probabilities are never drawn.
+        temperature: ``>= 0``; off (default): 1; 0 = greedy.
+        top_k: ``>= 0``; off: 0 or ``>= V``.
+        top_p: in ``(0, 1]``; off: 1.
+        min_p: in ``[0, 1]``; off: 0.
+            Each control is None (off), a Python number (range-checked here) or a ``(B,)``
+            tensor on the data's device (float; int for ``top_k``), so rows with different
+            controls share one call; new tensor values never recompile or sync. A row whose
+            tensor value is out of range is flagged invalid.
+        num_samples: ``n``, ``1 <= n <= V``, draws without replacement from the kept set.
+        seed, step, stream: counter-based per-request randomness (see
+            :func:`sample_from_probs`); or ``generator``, a ``torch.Generator``.
+        top_logprobs: ``N >= 0``: also return the N most likely tokens of the processed
+            distribution and their log-probabilities.
+        check: if True, first read the values on the host and raise naming the first bad
+            row or control value (this syncs).
+
+    Returns:
+        :class:`SampleOutput` with ``token_ids (B, n)``, ``probs (B, n)`` and
+        ``logprobs (B, n)`` under the processed distribution, ``valid (B,)`` and, with
+        ``top_logprobs=N``, ``top_token_ids``/``top_logprobs (B, N)``. Invalid rows (NaN or
+        +inf logits, all ``-inf``, bad probabilities, out-of-range tensor controls, or fewer
+        kept tokens than ``n``) follow :class:`SampleOutput`'s policy; other rows are
+        unaffected.
+
+    Example:
+        >>> logits = torch.randn(3, 1000)
+        >>> out = sample(logits, temperature=torch.tensor([0.0, 0.7, 1.0]),
+        ...              top_p=torch.tensor([1.0, 0.9, 0.5]), seed=7)
+        >>> out.token_ids[0].item() == logits[0].argmax().item()
+        True
+    """
+    source_tensor = check_source(logits, probs)
+    batch, vocab = source_tensor.shape
+    controls = check_controls(temperature, top_k, top_p, min_p, batch, vocab, source_tensor.device)
+    v.check_num_samples(num_samples, vocab)
+    num_top = _check_top_logprobs(top_logprobs, vocab)
+    v.check_generator(generator, source_tensor.device)
+    source = make_source(generator, seed, step, stream, batch, source_tensor.device)  # type: ignore[arg-type]
+    if v.check_flag(check, "check"):
+        v.check_source_values(logits, probs)
+        v.check_control_values(controls)
+
+    if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
+        return _all_greedy(source_tensor, logits is not None, num_samples)
+    processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
+    if controls.all_greedy:  # nothing random: skip the draw
+        token_ids, genuine = _greedy_draws(
+            source_tensor, logits is not None, num_samples, processed
+        )
+        total = processed.total
+    else:
+        token_ids, genuine, total = inverse_cdf_draw(
+            processed.weights, num_samples, source, sums=processed.sums
+        )
+        token_ids = token_ids.clamp_max_(vocab - 1)
+        if processed.greedy is not None:
+            greedy_ids, greedy_genuine = _greedy_draws(
+                source_tensor, logits is not None, num_samples, processed
+            )
+            token_ids = torch.where(processed.greedy[:, None], greedy_ids, token_ids)
+            genuine = torch.where(processed.greedy[:, None], greedy_genuine, genuine)
+    out = _finish(processed.weights, token_ids, genuine, total, processed.valid)
+    greedy = processed.greedy
+    if greedy is not None:  # a point mass: probability 1 for every genuine greedy draw
+        point = out.valid[:, None] & genuine & greedy[:, None]
+        out = out._replace(
+            probs=torch.where(point, 1.0, out.probs).to(out.probs.dtype),
+            logprobs=torch.where(point, 0.0, out.logprobs).to(out.logprobs.dtype),  # type: ignore[arg-type]
+        )
+    if num_top:
+        out = _with_top_logprobs(out, source_tensor, processed, num_top)
+    return out
+
+
+def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutput:
+    """``temperature=0`` for every row: the first maximal index (or the ``n`` largest),
+    probability 1, from block maxima alone (plus the minimum for probabilities)."""
+    maxima = block_maxima(source)
+    best = maxima.amax(-1)
+    if is_logits:
+        valid = (best > -math.inf) & (best < math.inf)
+    else:
+        valid = (source.amin(-1) >= 0) & (best > 0) & (best < math.inf)
+    if num_samples == 1:
+        ids = first_argmax(source, maxima)[:, None]
+        genuine = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        values, ids = top_entries(source, num_samples, maxima)
+        genuine = values > (-math.inf if is_logits else 0.0)
+        ids = repeat_last_genuine(ids, genuine)
+    keep = valid[:, None] & genuine
+    out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
+    fallback = torch.arange(num_samples, device=source.device).expand_as(ids)
+    return SampleOutput(
+        torch.where(valid[:, None], ids, fallback),
+        keep.to(out_dtype),
+        valid & genuine.all(-1),
+        torch.where(keep, 0.0, -math.inf).to(out_dtype),
+    )
+
+
+def _with_top_logprobs(
+    out: SampleOutput, source: Tensor, processed: Processed, num_top: int
+) -> SampleOutput:
+    """Attach the ``num_top`` most likely tokens and their processed log-probabilities.
+
+    The kept set is an upper set of the weights, which order like the input values, so the
+    most likely tokens are the largest inputs: one candidate-block pass, no log_softmax.
+    """
+    _, top_ids = top_entries(source, num_top, processed.maxima)
+    kept = processed.weights.gather(1, top_ids).to(torch.float64)
+    logprobs = kept.log() - processed.total.log()[:, None]
+    if processed.greedy is not None:  # a point mass on the first (greedy) token
+        rank = torch.arange(num_top, device=source.device)
+        point = torch.where(rank == 0, 0.0, -math.inf).to(torch.float64)
+        logprobs = torch.where(processed.greedy[:, None], point, logprobs)
+    logprobs = torch.where(processed.valid[:, None], logprobs, -math.inf)
+    return out._replace(top_token_ids=top_ids, top_logprobs=logprobs.to(out.probs.dtype))

@@ -7,6 +7,8 @@ is installed, with no test dependencies:
   float64 probabilities, for every method, unseeded and seeded, at a false-alarm rate of
   1e-6 per check; each check is also run on a 2%-biased law, which it must reject (so a
   pass means the check had the power to fail);
+* sampling controls: ``fastsample.sample`` with per-row tensor temperature, top-k, top-p
+  and min-p against a reference written here with a full sort (same power check);
 * zero weights are never drawn; bad rows (NaN, inf, negative, all-zero) are flagged and
   leave the other rows bitwise unchanged;
 * batch invariance with per-request seeds;
@@ -27,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .sampling import fast_sample, sample_from_probs
+from .sampling import fast_sample, sample, sample_from_probs
 from .seeds import advance_step
 
 ALPHA = 1e-6
@@ -134,6 +136,59 @@ def _pair_law(weights: Tensor) -> Tensor:
     return exact
 
 
+CONTROL_LOGITS = [2.0, 1.0, 1.0, 0.5, -1.0, 3.0, 0.0, float("-inf"), 2.5, -0.5]
+CONTROL_SETTINGS = [  # (temperature, top_k, top_p, min_p): each cut lands between values
+    (0.8, 5, 1.0, 0.0),
+    (1.0, 0, 0.93, 0.0),
+    (1.5, 6, 0.7, 0.0),
+    (1.0, 0, 1.0, 0.2),
+    (0.7, 8, 0.9, 0.05),
+]
+
+
+def controlled_law(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
+    """The processed distribution, float64, written independently with a full sort."""
+    x = logits.double().cpu()
+    w = torch.exp((x - x.max()) / temperature)
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if 0 < top_k < w.numel():
+        keep &= w >= torch.sort(w, descending=True).values[top_k - 1]
+    if top_p < 1:
+        ranked = torch.sort(torch.where(keep, w, 0.0), descending=True).values
+        reached = ranked.cumsum(0) >= top_p * ranked.sum()
+        keep &= w >= ranked[int(reached.to(torch.uint8).argmax())]
+    keep &= w >= min_p * w.max()
+    out = torch.where(keep, w, 0.0)
+    return out / out.sum()
+
+
+def check_controls(device: torch.device) -> str | None:
+    """fastsample.sample with mixed per-row tensor controls against a sorted reference."""
+    logits = torch.tensor(CONTROL_LOGITS, device=device)
+    draws = 60_000
+    for temperature, top_k, top_p, min_p in CONTROL_SETTINGS:
+
+        def tensor(value: float, dtype: torch.dtype = torch.float32) -> Tensor:
+            return torch.full((draws,), value, dtype=dtype, device=device)
+
+        out = sample(
+            logits.expand(draws, -1),
+            temperature=tensor(temperature),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor(top_p),
+            min_p=tensor(min_p),
+            seed=torch.arange(draws, device=device),
+        )
+        counts = torch.bincount(out.token_ids[:, 0], minlength=len(CONTROL_LOGITS))
+        law = controlled_law(logits, temperature, top_k, top_p, min_p)
+        setting = f"T={temperature} k={top_k} p={top_p} min_p={min_p}"
+        if not law_holds(counts, law):
+            return f"controls {setting}: chi-square {chi_square(counts, law)[0]:.1f} too large"
+        if law_holds(counts, _biased(law)):
+            return f"controls {setting}: a 2% bias was not detected (check has no power)"
+    return None
+
+
 def check_bad_rows(device: torch.device) -> str | None:
     gen = torch.Generator().manual_seed(0)
     clean = torch.softmax(torch.randn(5, 3000, generator=gen), -1).to(device)
@@ -221,6 +276,7 @@ def run_checks(device: torch.device, report: Callable[[str], None]) -> int:
         checks.append((f"single-draw law, {name}", lambda d=draw: check_single_draws(d, device)))
         checks.append((f"pair law, {name}", lambda d=draw: check_pairs(d, device)))
         checks.append((f"zero weights, {name}", lambda d=draw: check_zero_weights(d, device)))
+    checks.append(("sampling controls (T, top-k, top-p, min-p)", lambda: check_controls(device)))
     checks.append(("bad rows", lambda: check_bad_rows(device)))
     checks.append(("batch invariance", lambda: check_batch_invariance(device)))
     if device.type == "cuda":

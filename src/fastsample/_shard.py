@@ -1,0 +1,325 @@
+"""Shard-local pieces of vocabulary-parallel sampling (:mod:`fastsample.distributed`).
+
+Nothing here communicates: every function works on one rank's slice ``[a, a + V_local)`` of a
+``vocab_size`` vocabulary and returns the small per-row summaries that the ranks combine.
+
+**Slots.** The inverse CDF needs one mass per piece of the vocabulary, in a layout that every
+rank agrees on without knowing the other ranks' ranges. The vocabulary is cut into a global
+grid of ``grid`` slots of ``per_slot = BLOCK * m`` entries (``m = 1`` unless the grid would
+exceed :data:`MAX_SLOTS`), plus one *head* slot per rank:
+
+* grid slot ``J`` holds the entries of ``[J * per_slot, (J + 1) * per_slot)`` that belong to
+  the rank whose range contains ``J * per_slot`` (exactly one rank in a partition);
+* head slot ``grid + r`` holds rank ``r``'s entries before its first grid boundary (empty when
+  ``a`` is a multiple of ``per_slot``).
+
+So every slot is owned by exactly one rank, a rank's slot sums are zero outside its own slots,
+and a SUM all-reduce of ``(B, grid + world)`` values gives every rank every slot's mass with
+nothing but ``x + 0`` additions (bitwise the owner's value). When every shard starts on a
+multiple of ``BLOCK`` and ``m = 1``, the grid slots *are* the single-process blocks of
+:mod:`fastsample.inverse_cdf` and the head slots are empty: the draw is then bitwise the
+single-process draw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .controls import Controls
+from .inverse_cdf import BLOCK, block_sums
+
+MAX_SLOTS = 1024
+"""Most values per row that one collective carries (slot sums, histogram buckets)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where rank ``rank``'s shard sits in the global slot layout (all Python ints).
+
+    Attributes:
+        start: global id of the shard's first entry (``vocab_start``).
+        local: entries in the shard (``V_local``).
+        width: columns of the shard's weight buffer: ``local``, plus one zero column on the
+            shard that ends the vocabulary when ``vocab_size`` is odd (the single-process
+            weight buffer has an even width; mirroring it keeps block sums bitwise equal).
+        vocab: ``vocab_size``.
+        rank, world: position in and size of the process group.
+        per_slot: entries per grid slot, ``BLOCK * m``.
+        grid: number of grid slots, ``ceil(vocab / per_slot)``.
+        head: entries of the head slot (before the first grid boundary at or after ``start``).
+        first: the first grid slot this rank owns (meaningful when ``owned > 0``).
+        owned: how many grid slots this rank owns.
+    """
+
+    start: int
+    local: int
+    width: int
+    vocab: int
+    rank: int
+    world: int
+    per_slot: int
+    grid: int
+    head: int
+    first: int
+    owned: int
+
+    @property
+    def slots(self) -> int:
+        """Slot count of the global layout: the grid plus one head slot per rank."""
+        return self.grid + self.world
+
+    @property
+    def draw_width(self) -> int:
+        """Entries scanned per draw inside a slot: the single-process block width for ``m=1``
+        (``min(BLOCK, even vocabulary width)``), else ``per_slot``."""
+        return min(self.per_slot, self.vocab + self.vocab % 2)
+
+
+def make_layout(start: int, local: int, vocab: int, rank: int, world: int) -> Layout:
+    """The slot layout of one shard; identical ``per_slot``/``grid`` on every rank."""
+    blocks = math.ceil(vocab / BLOCK)
+    if world > MAX_SLOTS // 2:  # at least half the slots for the grid
+        raise ValueError(f"at most {MAX_SLOTS // 2} ranks are supported, got {world}")
+    # Coarsen the grid only when the block grid plus the head slots would not fit.
+    m = 1 if blocks + world <= MAX_SLOTS else math.ceil(blocks / (MAX_SLOTS - world))
+    per_slot = BLOCK * m
+    grid = math.ceil(vocab / per_slot)
+    pad = 1 if start + local == vocab and vocab % 2 else 0
+    width = local + pad
+    head = min((-start) % per_slot, width)
+    first = (start + head) // per_slot
+    owned = math.ceil((width - head) / per_slot)
+    return Layout(start, local, width, vocab, rank, world, per_slot, grid, head, first, owned)
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def shard_weights(
+    logits: Tensor | None,
+    probs: Tensor | None,
+    controls: Controls,
+    best: Tensor,
+    finite: Tensor,
+    layout: Layout,
+) -> Tensor:
+    """The shard's weights before any cut, from the *global* row maximum ``best`` (``(B,)``
+    float64) and the global finiteness flag ``finite``: a contiguous ``(B, W)`` buffer with
+    ``W = layout.width`` rounded up to even (zero columns past ``V_local``: the radix selection
+    reads float32 pairs as int64); callers use ``[:, :layout.width]`` for everything else.
+
+    Same ops, in the same order and dtypes, as the single-process
+    ``fastsample.controls._weights_from_logits``/``_weights_from_probs``, so that each weight
+    is bitwise the single-process weight of the same global entry:
+    logits: ``exp((x - max) / T)``; probabilities: ``(p / max p)^(1/T)``, or ``p`` itself when
+    nothing is cut and no temperature applies (the single-process no-copy case).
+    """
+    source = logits if logits is not None else probs
+    assert source is not None
+    batch, local = source.shape
+    dtype = compute_dtype(source.dtype)
+    temperature = controls.temperature
+    top = best.to(dtype)
+    width = layout.width + layout.width % 2
+    if logits is not None:
+        shift = torch.where(finite, top, 0.0)
+        weights = torch.empty(batch, width, dtype=dtype, device=source.device)
+        if width > local:
+            weights[:, local:] = 0.0
+        out = weights[:, :local]
+        torch.sub(logits, shift[:, None], out=out)
+        if isinstance(temperature, Tensor):
+            usable = (temperature > 0) & (temperature < math.inf)
+            out.div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None])
+        elif temperature is not None and temperature != 0.0:
+            out.div_(temperature)
+        out.exp_()
+        return weights
+    assert probs is not None
+    # The single-process sampler skips the copy under exactly these conditions (its vocabulary
+    # is even then, so no shard carries a padding column).
+    if (
+        temperature is None
+        and not controls.filters
+        and probs.dtype == dtype
+        and layout.vocab % 2 == 0
+    ):
+        return probs.contiguous()
+    weights = torch.zeros(batch, width, dtype=dtype, device=probs.device)
+    out = weights[:, :local]
+    torch.div(probs, torch.where(finite, top, 1.0)[:, None], out=out)
+    if isinstance(temperature, Tensor):
+        usable = (temperature > 0) & (temperature < math.inf)
+        out.log_().div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None]).exp_()
+    elif temperature is not None and temperature != 0.0:
+        out.log_().div_(temperature).exp_()
+    return weights
+
+
+# ---------------------------------------------------------------------------- slot sums
+
+
+def slot_sums(weights: Tensor, layout: Layout) -> Tensor:
+    """``(B, layout.slots)`` masses of this rank's slots, zero elsewhere.
+
+    float32 for float32 weights (each value is one float32 block sum when ``m = 1``, so the
+    collective can carry it in float32 without rounding), float64 for float64 weights.
+    """
+    batch = weights.shape[0]
+    acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    out = torch.zeros(batch, layout.slots, dtype=acc, device=weights.device)
+    if layout.head:
+        out[:, layout.grid + layout.rank] = weights[:, : layout.head].sum(-1, dtype=acc)
+    if layout.owned:
+        sums = block_sums(weights[:, layout.head :]).to(acc)  # float32 values, exact
+        m = layout.per_slot // BLOCK
+        if m > 1:  # coarse grid: group blocks into slots (the last group may be short)
+            padded = torch.nn.functional.pad(sums, (0, layout.owned * m - sums.shape[1]))
+            sums = padded.view(batch, layout.owned, m).sum(-1)
+        out[:, layout.first : layout.first + layout.owned] = sums
+    return out
+
+
+def slot_span(slot: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
+    """Local start column and entry count of each row's ``slot`` (``(B, 1)`` int64 each) in
+    this shard; the count is 0 where another rank owns the slot."""
+    is_head = slot == layout.grid + layout.rank
+    in_grid = (slot >= layout.first) & (slot < layout.first + layout.owned)
+    grid_start = layout.head + (slot - layout.first) * layout.per_slot
+    start = torch.where(is_head, 0, grid_start)
+    count = torch.where(in_grid, (layout.width - grid_start).clamp(max=layout.per_slot), 0)
+    count = torch.where(is_head, layout.head, count)
+    return start.clamp(0, layout.width - 1), count
+
+
+def draw_in_slot(
+    weights: Tensor,
+    layout: Layout,
+    slot: Tensor,
+    fraction: Tensor,
+    drawn: list[Tensor],
+    need_left: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """Second stage of the inverse CDF inside each row's chosen ``slot``, on the owning rank.
+
+    Mirrors the in-block scan of :func:`fastsample.inverse_cdf.inverse_cdf_draw`: gather the
+    slot's weights in float64 (earlier draws ``drawn`` removed), take their prefix ``c`` and
+    pick the first ``c_i > fraction * c_last`` (strict, kept below ``c_last``).
+
+    Returns ``(token (B, 1) int64 global id, weight (B, 1) float64, left (B, 1) float64 or
+    None, owned (B, 1) bool)``: ``left`` is the slot's mass without the drawn entry (for the
+    next draw); rows whose slot another rank owns have ``owned`` False.
+    """
+    width = layout.draw_width
+    offsets = torch.arange(width, device=weights.device)
+    start, count = slot_span(slot, layout)
+    columns = start + offsets
+    values = weights.gather(1, columns.clamp_max(layout.width - 1)).to(torch.float64)
+    values = values * (offsets < count)
+    ids = layout.start + columns
+    if drawn:
+        taken = torch.cat(drawn, dim=1)
+        values = values * (ids[:, :, None] != taken[:, None, :]).all(-1)
+    within = values.cumsum(-1)
+    total = within[:, -1:]
+    floor = torch.zeros((), dtype=torch.float64, device=weights.device)
+    inner_target = torch.minimum(fraction * total, total.nextafter(floor))
+    inner = torch.searchsorted(within, inner_target, right=True).clamp_max_(width - 1)
+    token = ids.gather(1, inner)
+    weight = values.gather(1, inner)
+    left = values.scatter(1, inner, 0.0).sum(-1, keepdim=True) if need_left else None
+    return token, weight, left, count > 0
+
+
+# ---------------------------------------------------------------------------- radix rounds
+
+# Digit widths per round for weights in [0, 1]: their bit patterns are below 2**30 (float32)
+# or 2**62 (float64), and each round's histogram stays within MAX_SLOTS buckets.
+RADIX_ROUNDS = {torch.float32: (10, 10, 10), torch.float64: (8, 9, 9, 9, 9, 9, 9)}
+
+
+def pattern_words(values: Tensor) -> tuple[list[Tensor], int]:
+    """int64 words whose top bits hold the entries' bit patterns (non-negative floats order
+    like their patterns), and the shift that brings a pattern down to bit 0.
+
+    float64: the int64 view itself (no copy). float32 (``values`` contiguous with an even
+    width): the int64 view of entry pairs holds the odd entry in its high half, and
+    ``word << 32`` the even one, so one shift by ``32 + r`` yields pattern ``>> r`` as an int64
+    index for ``scatter_add_`` without converting anything (the order of the entries is
+    that of :func:`pattern_entries`).
+    """
+    words = values.view(torch.int64)
+    if values.dtype == torch.float64:
+        return [words], 0
+    return [words, words << 32], 32
+
+
+def pattern_entries(values: Tensor) -> list[Tensor]:
+    """The entries in the order of :func:`pattern_words` (contiguous, for a fast scatter)."""
+    if values.dtype == torch.float64:
+        return [values]
+    return [values[:, 1::2].contiguous(), values[:, 0::2].contiguous()]
+
+
+def radix_histogram(
+    words: list[Tensor],
+    entries: list[Tensor],
+    keys: Tensor,
+    prefix: Tensor,
+    shift: int,
+    width: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """``(B, 2**width)`` histogram of ``entries`` over the next ``width``-bit digit (``shift``
+    bits up) of the patterns in ``words`` that share ``prefix`` (``(B, 1)``); other patterns
+    are dropped (those above it were counted in earlier rounds). ``keys`` is a scratch buffer
+    shaped like each word, reused across rounds (no allocation per pass)."""
+    batch = keys.shape[0]
+    buckets = 1 << width
+    # Digit d lands in column d + 1; patterns below the prefix in column 0, above it (or
+    # garbage) in column buckets + 1: the two dump columns, left out of the result.
+    base = (prefix << width) - 1
+    hist = torch.zeros(batch, buckets + 2, dtype=dtype, device=keys.device)
+    for word, entry in zip(words, entries, strict=True):
+        torch.bitwise_right_shift(word, shift, out=keys)
+        keys.sub_(base).clamp_(0, buckets + 1)
+        hist.scatter_add_(1, keys, entry)
+    return hist[:, 1:-1].contiguous()
+
+
+_GROUP = 64  # buckets per group of the two-level search in descend
+
+
+def _last_meeting(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
+    """Last column ``d`` of ``hist`` (``(B, c)`` float64) with ``above + sum(hist[:, d:]) >=
+    target`` (0 if none) and ``above`` plus the columns strictly after it."""
+    suffix = hist.flip(-1).cumsum(-1).flip(-1)
+    # Suffix sums fall as the column rises, so the columns meeting the target form a prefix.
+    last = ((above[:, None] + suffix) >= target[:, None]).sum(-1, keepdim=True) - 1
+    last = last.clamp_(0, hist.shape[1] - 1)
+    return last, above + (suffix.gather(1, last) - hist.gather(1, last)).squeeze(1)
+
+
+def descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
+    """Largest bucket ``d`` with ``above + sum(hist[:, d:]) >= target`` (0 if none), ``(B, 1)``,
+    and the new ``above`` (plus the buckets strictly after ``d``).
+
+    Two levels (groups of 64 buckets, then the 64 buckets of one group) so each round touches
+    ``O(buckets / 64 + 64)`` float64 values per row instead of a cumulative sum over all of
+    them; float64 arithmetic.
+    """
+    batch, width = hist.shape
+    groups = hist.view(batch, width // _GROUP, _GROUP)
+    # float32 group sums: bucket masses are float32 sums already (counts are exact).
+    group, above = _last_meeting(groups.sum(-1).to(torch.float64), target, above)
+    bins = groups.gather(1, group[:, :, None].expand(batch, 1, _GROUP)).squeeze(1)
+    inner, above = _last_meeting(bins.to(torch.float64), target, above)
+    return group * _GROUP + inner, above

@@ -1,0 +1,262 @@
+"""Exact per-row order statistics without sorting the vocabulary.
+
+Two questions the sampling controls ask of a row of non-negative weights ``w``:
+
+* :func:`descending_threshold`: the largest value ``t`` whose *upper set* ``{i : w_i >= t}``
+  holds at least ``target`` entries (``by="count"``: the k-th largest value, for top-k) or at
+  least ``target`` mass (``by="mass"``: the top-p cut). Ties at ``t`` are all in the set.
+* :func:`top_entries`: the ``n`` largest entries in order, ties broken by the lower index
+  (greedy with several draws, ``top_logprobs``).
+
+Why no sort: a full sort of a 128k vocabulary costs ~300 read passes on a CPU. Both answers
+only need a few numbers per row.
+
+**Radix selection** (:func:`descending_threshold`). Non-negative IEEE floats order like their
+bit patterns read as integers, so the threshold is found digit by digit: round 1 histograms
+(``scatter_add``) the top 11 bits of every weight's pattern, a suffix sum over the 2,048
+buckets (two levels of 64) finds the bucket where the count or mass from the top crosses
+``target``; the next rounds histogram the next 10 bits of the weights inside the chosen
+bucket only (everything else lands in dump buckets). Three rounds for float32, six for
+float64: a fixed number of full-shape ops, no host sync, no data-dependent shape, and the
+result is an exact bit pattern, so ties are handled for free. The tables stay small
+(``B x ~2k``), so large batches cost no more memory per row than the weights do. Weights
+are read as int64 pairs (two float32 patterns per word) because int32 -> int64 conversion
+costs more than the shifts.
+
+Masses are accumulated in float32 buckets and combined in float64, so a top-p decision can
+differ from an exact one only when ``target`` lies within float32 rounding (~1e-7
+relative) of a cumulative mass.
+
+**Candidate blocks** (:func:`top_entries`). The ``n`` largest entries lie in the ``n``
+blocks (of :data:`~fastsample.inverse_cdf.BLOCK` entries) with the largest block maxima,
+ties by block index: each earlier block holds an entry that precedes any entry of a later
+one. So one blocked max pass plus a sort of ``n`` small blocks replaces the sort of the row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .inverse_cdf import BLOCK
+
+# Digit widths per round (bits), most significant first; they cover every non-negative
+# pattern (31 bits for float32, 63 for float64).
+_ROUNDS = {torch.float32: (11, 10, 10), torch.float64: (11, 11, 11, 10, 10, 10)}
+_GROUP = 64  # buckets per group of the two-level suffix search
+
+
+def _pattern_words(values: Tensor) -> list[Tensor]:
+    """int64 words whose top ``dtype`` bits are the entries' bit patterns, in the order of
+    :func:`_entries`.
+
+    float64: the int64 view itself. float32: the int64 view of entry pairs: the odd entry
+    is the high half, the even entry becomes the high half of ``word << 32``. Shifting
+    right is then sign-extending, which only matters for garbage (NaN, negative) patterns:
+    those are clamped into dump buckets.
+    """
+    words = values.view(torch.int64)
+    return [words] if values.dtype == torch.float64 else [words, words << 32]
+
+
+def _entries(values: Tensor) -> list[Tensor]:
+    """The entries in the order of :func:`_pattern_words` (contiguous, for a fast scatter)."""
+    if values.dtype == torch.float64:
+        return [values]
+    return [values[:, 1::2].contiguous(), values[:, 0::2].contiguous()]
+
+
+def _descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
+    """Largest bucket ``d`` with ``above + sum(hist[:, d:]) >= target`` and the new ``above``
+    (plus the buckets strictly after ``d``). ``hist`` is ``(B, groups * 64)``; a target
+    above everything gives bucket 0.
+    """
+    batch, width = hist.shape
+    groups = hist.view(batch, width // _GROUP, _GROUP)
+    group_sums = groups.sum(-1).to(torch.float64)
+    group_suffix = group_sums.flip(-1).cumsum(-1).flip(-1)
+    # Suffix sums fall as the bucket rises, so the buckets meeting the target form a prefix:
+    # its length locates the last one.
+    group = ((above[:, None] + group_suffix) >= target[:, None]).sum(-1, keepdim=True) - 1
+    group = group.clamp_(0, groups.shape[1] - 1)
+    above = above + (group_suffix.gather(1, group) - group_sums.gather(1, group)).squeeze(1)
+    bins = groups.gather(1, group[:, :, None].expand(batch, 1, _GROUP)).squeeze(1)
+    bins = bins.to(torch.float64)
+    bin_suffix = bins.flip(-1).cumsum(-1).flip(-1)
+    inner = ((above[:, None] + bin_suffix) >= target[:, None]).sum(-1, keepdim=True) - 1
+    inner = inner.clamp_(0, _GROUP - 1)
+    above = above + (bin_suffix.gather(1, inner) - bins.gather(1, inner)).squeeze(1)
+    return (group * _GROUP + inner).squeeze(1), above
+
+
+def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
+    """Largest ``t`` with ``Q(t) >= target`` per row, where ``Q(t)`` is the count
+    (``by="count"``) or the sum (``by="mass"``) of the entries ``>= t``.
+
+    Args:
+        values: ``(B, V)`` contiguous float32 (``V`` even) or float64, non-negative. Rows with
+            NaN or negative entries give an arbitrary ``t`` (never an error).
+        target: ``(B,)`` float64, ``0 < target <= Q(0)``. A larger target gives ``t`` at
+            or below the row's smallest bucket; ``target <= 0`` gives the largest pattern:
+            callers mask rows whose control is off.
+
+    Returns:
+        ``(B,)`` threshold in ``values``' dtype, one of the row's values when
+        ``0 < target <= Q(0)``.
+
+    Example:
+        >>> w = torch.tensor([[0.1, 0.4, 0.2, 0.3]])
+        >>> descending_threshold(w, torch.tensor([2.0], dtype=torch.float64), "count")
+        tensor([0.3000])
+    """
+    if torch.compiler.is_compiling():
+        return _bisect_threshold(values, target, by)
+    batch, device, dtype = values.shape[0], values.device, values.dtype
+    words = _pattern_words(values)
+    if by == "count":
+        entries = [torch.ones((), dtype=dtype, device=device).expand(w.shape) for w in words]
+    else:
+        entries = _entries(values)
+    keys = torch.empty_like(words[0])  # one buffer for every piece and round
+    prefix = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    above = torch.zeros(batch, dtype=torch.float64, device=device)
+    rounds = _ROUNDS[dtype]
+    remaining = sum(rounds)
+    for width in rounds:
+        remaining -= width
+        # Keys of the patterns sharing the prefix chosen so far land in groups 1..2**width/64;
+        # the others are clamped into group 0 (below) or the last group (above, garbage).
+        base = (prefix << width) - _GROUP
+        top = (1 << width) + 2 * _GROUP - 1
+        hist = torch.zeros(batch, top + 1, dtype=dtype, device=device)
+        shift = remaining + (32 if dtype == torch.float32 else 0)
+        for word, entry in zip(words, entries, strict=True):
+            torch.bitwise_right_shift(word, shift, out=keys)
+            keys.sub_(base).clamp_(0, top)
+            hist.scatter_add_(1, keys, entry)
+        hist[:, :_GROUP] = 0
+        hist[:, -_GROUP:] = 0
+        digit, above = _descend(hist, target, above)
+        prefix = (prefix << width) | (digit[:, None] - _GROUP).clamp_(0, (1 << width) - 1)
+    prefix = prefix.squeeze(1)
+    if dtype == torch.float64:
+        return prefix.view(torch.float64)
+    return prefix.to(torch.int32).view(torch.float32)
+
+
+def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
+    """:func:`descending_threshold` by bisection on the bit pattern: one masked reduction per
+    bit. Used under ``torch.compile``, where each round fuses into one read of ``values``
+    and a scatter would not; same answer as the radix up to the order of float additions.
+    """
+    bits = 63 if values.dtype == torch.float64 else 31
+    batch = values.shape[0]
+    # Invariant: Q(lo) >= target (Q(0) is everything), the answer is in [lo, hi].
+    lo = torch.zeros(batch, 1, dtype=torch.int64, device=values.device)
+    infinity = 0x7FF0000000000000 if values.dtype == torch.float64 else 0x7F800000
+    hi = torch.full_like(lo, infinity)
+    unit = torch.ones((), dtype=values.dtype, device=values.device)
+    for _ in range(bits):
+        mid = lo + ((hi - lo + 1) >> 1)  # no int64 overflow near the top pattern
+        if values.dtype == torch.float64:
+            threshold = mid.view(torch.float64)
+        else:
+            threshold = mid.to(torch.int32).view(torch.float32)
+        counted = values if by == "mass" else unit
+        q = torch.where(values >= threshold, counted, 0).sum(-1, keepdim=True, dtype=torch.float64)
+        ok = q >= target[:, None]
+        lo = torch.where(ok, mid, lo)
+        hi = torch.where(ok, hi, mid - 1)
+    lo = lo.squeeze(1)
+    return (
+        lo.view(torch.float64)
+        if values.dtype == torch.float64
+        else lo.to(torch.int32).view(torch.float32)
+    )
+
+
+def block_maxima(values: Tensor) -> Tensor:
+    """``(B, ceil(V / BLOCK))`` maxima of consecutive blocks (NaN propagates)."""
+    batch, vocab = values.shape
+    full = vocab // BLOCK
+    parts = [values[:, : full * BLOCK].reshape(batch, full, BLOCK).amax(-1)]
+    if vocab % BLOCK:
+        parts.append(values[:, full * BLOCK :].amax(-1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _gather_blocks(values: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Values and global indices of the given blocks, ``(B, len * BLOCK)``; entries past the
+    vocabulary read as ``-inf``."""
+    vocab = values.shape[1]
+    width = min(BLOCK, vocab)
+    columns = (blocks[:, :, None] * BLOCK + torch.arange(width, device=values.device)).flatten(1)
+    gathered = values.gather(1, columns.clamp_max(vocab - 1))
+    gathered = gathered.masked_fill(columns >= vocab, -torch.inf)
+    return gathered, columns
+
+
+def top_entries(values: Tensor, num: int, maxima: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The ``num`` largest entries of each row, largest first, ties by the lower index.
+
+    Args:
+        values: ``(B, V)`` floats (``-inf`` allowed; NaN rows give arbitrary in-range ids).
+        num: static, ``1 <= num <= V``.
+        maxima: :func:`block_maxima` of ``values`` if already computed.
+
+    Returns:
+        ``(values (B, num), ids (B, num) int64)``.
+
+    Example:
+        >>> top_entries(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), 3)
+        (tensor([[3., 3., 2.]]), tensor([[1, 2, 3]]))
+    """
+    if maxima is None:
+        maxima = block_maxima(values)
+    count = min(num, maxima.shape[1])
+    # Stable sorts keep the lower block (then the lower index) first among equal values.
+    order = torch.sort(maxima, dim=1, descending=True, stable=True).indices[:, :count]
+    blocks = torch.sort(order, dim=1).values
+    candidates, columns = _gather_blocks(values, blocks)
+    ranked = torch.sort(candidates, dim=1, descending=True, stable=True)
+    ids = columns.gather(1, ranked.indices[:, :num]).clamp_max_(values.shape[1] - 1)
+    return ranked.values[:, :num], ids
+
+
+def first_argmax(values: Tensor, maxima: Tensor | None = None) -> Tensor:
+    """``(B,)`` index of the first maximal entry per row (0 for a NaN row), one blocked pass.
+
+    Example:
+        >>> first_argmax(torch.tensor([[1.0, 5.0, 5.0], [2.0, 0.0, 2.0]]))
+        tensor([1, 0])
+    """
+    if maxima is None:
+        maxima = block_maxima(values)
+    best = maxima.amax(-1, keepdim=True)
+    # argmax returns the first maximal position: the first block holding the row maximum.
+    block = (maxima == best).to(torch.uint8).argmax(-1, keepdim=True)
+    candidates, columns = _gather_blocks(values, block)
+    inner = (candidates == best).to(torch.uint8).argmax(-1, keepdim=True)
+    return columns.gather(1, inner).squeeze(1).clamp_max_(values.shape[1] - 1)
+
+
+# Up to this k, top-k thresholds come from candidate blocks (topk of ~k blocks) instead of
+# radix selection over the row (static Python top_k only: tensor k needs every row's k).
+CANDIDATE_MAX_K = 1024
+
+
+def largest_entries(
+    values: Tensor, num: int, maxima: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The ``num`` largest entries of each row, largest first, ties in any order.
+
+    Like :func:`top_entries` with ``torch.topk`` on the candidate blocks (no sort): for
+    order statistics, where tie order does not matter.
+    """
+    if maxima is None:
+        maxima = block_maxima(values)
+    count = min(num, maxima.shape[1])
+    blocks = torch.topk(maxima, count, dim=1).indices
+    candidates, columns = _gather_blocks(values, blocks)
+    best = torch.topk(candidates, num, dim=1)
+    return best.values, columns.gather(1, best.indices).clamp_max_(values.shape[1] - 1)
