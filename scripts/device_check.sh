@@ -20,6 +20,8 @@ python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 timeout 300 python -m pytest -q -rs tests/test_cuda_graphs.py tests/test_philox.py \
     tests/test_seeds.py tests/test_exactness.py tests/test_bad_input.py \
     -k "cuda or capture or graph or device_mismatch" 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
+timeout 200 python -m pytest -q -rs tests/test_verify.py -k "cuda" 2>&1 \
+    | tee "$OUT/cuda-tests-verify.txt" || status=1
 
 timeout 120 python -m fastsample selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.txt" || status=1
 
@@ -28,4 +30,6 @@ timeout 300 python -m fastsample bench --device cuda --json "$OUT/bench-cuda.jso
 
 timeout 200 python -m fastsample bench --controls --device cuda --json "$OUT/bench-controls-cuda.json" \
     2>&1 | tee "$OUT/bench-controls-cuda.txt" || status=1
+timeout 200 python -m fastsample bench --verify --device cuda --json "$OUT/bench-verify-cuda.json" \
+    2>&1 | tee "$OUT/bench-verify-cuda.txt" || status=1
 exit $status

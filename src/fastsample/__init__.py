@@ -8,6 +8,8 @@ Public API (flat and functional, every function shares argument names):
 * :func:`sample`, :func:`process` -- temperature, top-k, top-p, min-p and greedy per row
   (logits or probabilities), and the processed distribution they sample from;
 * :class:`SampleOutput` -- what samplers return;
+* :func:`verify_chain`, :func:`verify_tree` -- speculative-decoding verification, exact in
+  distribution (:class:`VerifyOutput`, :class:`TokenTree`, :class:`TreeVerifyOutput`);
 * :class:`Stream`, :func:`advance_step` -- counter-based per-request randomness
   (``seed=``, ``step=``, ``stream=`` on every sampler);
 * :mod:`fastsample.distributed` -- ``distributed.sample``, the same sampling on a vocabulary
@@ -26,6 +28,7 @@ from . import distributed
 from .controls import process
 from .sampling import SampleOutput, fast_sample, sample, sample_from_probs
 from .seeds import Stream, advance_step
+from .verify import TokenTree, TreeVerifyOutput, VerifyOutput, verify_chain, verify_tree
 
 __all__ = [
     "SampleOutput",
@@ -37,4 +40,5 @@ __all__ = [
     "sample",
     "sample_from_probs",
 ]
+__all__ += ["TokenTree", "TreeVerifyOutput", "VerifyOutput", "verify_chain", "verify_tree"]
 __version__ = "0.1.0"

@@ -682,6 +682,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="save a PNG bar chart of the speed-ups (needs fastsample[plot])",
     )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="benchmark speculative-decoding verification instead (fastsample.bench_verify)",
+    )
 
 
 def _pick_device(name: str | None) -> torch.device:
@@ -744,6 +749,10 @@ def run_bench(
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m fastsample bench``."""
+    if getattr(args, "verify", False):
+        from .bench_verify import run_verify
+
+        return run_verify(args)
     if args.distributed is not None:
         from . import bench_distributed
 
