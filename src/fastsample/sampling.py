@@ -379,15 +379,21 @@ def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutp
         valid = (best > -math.inf) & (best < math.inf)
     else:
         valid = (source.amin(-1) >= 0) & (best > 0) & (best < math.inf)
-    if num_samples == 1:
+    out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
+    if num_samples == 1:  # every draw genuine: fewer small ops on the per-token path
         ids = first_argmax(source, maxima)[:, None]
-        genuine = torch.ones_like(ids, dtype=torch.bool)
+        keep = valid[:, None]
+        return SampleOutput(
+            torch.where(keep, ids, 0),
+            keep.to(out_dtype),
+            valid,
+            torch.where(keep, 0.0, -math.inf).to(out_dtype),
+        )
     else:
         values, ids = top_entries(source, num_samples, maxima)
         genuine = values > (-math.inf if is_logits else 0.0)
         ids = repeat_last_genuine(ids, genuine)
     keep = valid[:, None] & genuine
-    out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
     fallback = torch.arange(num_samples, device=source.device).expand_as(ids)
     return SampleOutput(
         torch.where(valid[:, None], ids, fallback),
