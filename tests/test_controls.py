@@ -287,6 +287,11 @@ def test_greedy_several_draws_are_the_largest_in_order():
     assert out.probs[1].tolist() == [1.0, 1.0, 0.0]
     mixed = fs.sample(x, temperature=torch.tensor([0.0, 0.0]), num_samples=3, seed=1)
     assert torch.equal(mixed.token_ids, out.token_ids) and torch.equal(mixed.valid, out.valid)
+    probs = torch.tensor([[0.1, 0.4, 0.4, 0.1], [0.2, -0.1, 0.5, 0.4], [0.0, 0.0, 0.3, 0.7]])
+    for n, ids in ((1, [[1], [0], [3]]), (2, [[1, 2], [0, 1], [3, 2]])):
+        greedy = fs.sample(probs=probs, temperature=0.0, num_samples=n)
+        assert greedy.token_ids.tolist() == ids  # row 1 has a negative entry: invalid
+        assert greedy.valid.tolist() == [True, False, True]
 
 
 def test_logprobs_and_top_logprobs_match_reference():

@@ -374,31 +374,29 @@ def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutp
     """``temperature=0`` for every row: the first maximal index (or the ``n`` largest),
     probability 1, from block maxima alone (plus the minimum for probabilities)."""
     maxima = block_maxima(source)
-    best = maxima.amax(-1)
+    best = maxima.amax(-1, keepdim=True)
     if is_logits:
-        valid = (best > -math.inf) & (best < math.inf)
+        valid = (best > -math.inf) & (best < math.inf)  # (B, 1)
     else:
-        valid = (source.amin(-1) >= 0) & (best > 0) & (best < math.inf)
+        valid = (source.amin(-1, keepdim=True) >= 0) & (best > 0) & (best < math.inf)
     out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
     if num_samples == 1:  # every draw genuine: fewer small ops on the per-token path
-        ids = first_argmax(source, maxima)[:, None]
-        keep = valid[:, None]
+        ids = first_argmax(source, maxima, best)[:, None]
         return SampleOutput(
-            torch.where(keep, ids, 0),
-            keep.to(out_dtype),
-            valid,
-            torch.where(keep, 0.0, -math.inf).to(out_dtype),
+            torch.where(valid, ids, 0),
+            valid.to(out_dtype),
+            valid.squeeze(1),
+            torch.where(valid, 0.0, -math.inf).to(out_dtype),
         )
-    else:
-        values, ids = top_entries(source, num_samples, maxima)
-        genuine = values > (-math.inf if is_logits else 0.0)
-        ids = repeat_last_genuine(ids, genuine)
-    keep = valid[:, None] & genuine
+    values, ids = top_entries(source, num_samples, maxima)
+    genuine = values > (-math.inf if is_logits else 0.0)
+    ids = repeat_last_genuine(ids, genuine)
+    keep = valid & genuine
     fallback = torch.arange(num_samples, device=source.device).expand_as(ids)
     return SampleOutput(
-        torch.where(valid[:, None], ids, fallback),
+        torch.where(valid, ids, fallback),
         keep.to(out_dtype),
-        valid & genuine.all(-1),
+        valid.squeeze(1) & genuine.all(-1),
         torch.where(keep, 0.0, -math.inf).to(out_dtype),
     )
 

@@ -225,8 +225,13 @@ def top_entries(values: Tensor, num: int, maxima: Tensor | None = None) -> tuple
     return ranked.values[:, :num], ids
 
 
-def first_argmax(values: Tensor, maxima: Tensor | None = None) -> Tensor:
+def first_argmax(
+    values: Tensor, maxima: Tensor | None = None, best: Tensor | None = None
+) -> Tensor:
     """``(B,)`` index of the first maximal entry per row (0 for a NaN row), one blocked pass.
+
+    ``maxima`` (:func:`block_maxima`) and ``best`` (their row maximum, ``(B, 1)``) may be
+    passed in when already computed.
 
     Example:
         >>> first_argmax(torch.tensor([[1.0, 5.0, 5.0], [2.0, 0.0, 2.0]]))
@@ -234,12 +239,15 @@ def first_argmax(values: Tensor, maxima: Tensor | None = None) -> Tensor:
     """
     if maxima is None:
         maxima = block_maxima(values)
-    best = maxima.amax(-1, keepdim=True)
+    if best is None:
+        best = maxima.amax(-1, keepdim=True)
     # argmax returns the first maximal position: the first block holding the row maximum.
-    block = (maxima == best).to(torch.uint8).argmax(-1, keepdim=True)
+    block = (maxima == best).view(torch.uint8).argmax(-1, keepdim=True)
     candidates, columns = _gather_blocks(values, block)
-    inner = (candidates == best).to(torch.uint8).argmax(-1, keepdim=True)
-    return columns.gather(1, inner).squeeze(1).clamp_max_(values.shape[1] - 1)
+    inner = (candidates == best).view(torch.uint8).argmax(-1, keepdim=True)
+    ids = columns.gather(1, inner).squeeze(1)
+    # Past-the-end columns of a short last block read -inf, so only a NaN row can land there.
+    return ids if values.shape[1] % BLOCK == 0 else ids.clamp_max_(values.shape[1] - 1)
 
 
 # Up to this k, top-k thresholds come from candidate blocks (topk of ~k blocks) instead of
