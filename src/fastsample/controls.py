@@ -302,9 +302,13 @@ def _predecessor(value: float, dtype: torch.dtype) -> float:
 
 
 def count_equal(weights: Tensor, value: Tensor) -> Tensor:
-    """``(B,)`` int32 count of entries equal to ``value[b]`` per row. Summed as uint8 into
-    int32: torch's CPU sum of a bool tensor is ~8x slower."""
-    return (weights == value[:, None]).view(torch.uint8).sum(-1, dtype=torch.int32)
+    """``(B,)`` count of entries equal to ``value[b]`` per row, as float64.
+
+    ``w - v`` is exactly 0 iff ``w == v``; comparing that difference with 0 in place gives
+    float 0/1 whose sum is exact (below 2**24 per row). On CPU this is ~4x faster than a
+    broadcast ``==`` followed by a sum of the bool tensor.
+    """
+    return (weights - value[:, None]).eq_(0).sum(-1).to(torch.float64)
 
 
 def keep_at_least(weights: Tensor, cut: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:

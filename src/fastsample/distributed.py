@@ -532,7 +532,7 @@ def _cuts(comm: _Comm, buffer: Tensor, call: _Call, maxima: Tensor) -> Tensor | 
             assert cut is not None
             # The survivors' mass as one process sums it: every survivor above cut_k is a
             # (merged) candidate, the rest are ties at cut_k, counted on every shard.
-            ties = comm.all_reduce(count_equal(buffer, cut).to(torch.float64), "sum")
+            ties = comm.all_reduce(count_equal(buffer, cut), "sum")
             strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
             mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
             cut_p = _top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
