@@ -20,8 +20,10 @@ policy); ``race.py`` and ``inverse_cdf.py`` are the two exact draw algorithms;
 ``controls.py`` turns logits and per-row controls into kept weights, with the exact
 threshold selections of ``select.py``; ``noise.py`` is the single interface through
 which randomness enters, ``seeds.py`` and ``philox.py`` its counter-based source;
-``_validation.py`` holds every argument check; ``bench.py`` is ``python -m fastsample
-bench`` (``bench_controls.py`` its ``--controls`` part).
+``verify.py`` (with ``_verify_draw.py``) verifies speculative drafts; ``distributed.py`` (with
+``_shard.py``) samples a sharded vocabulary; ``_validation.py`` holds every argument check;
+``bench.py`` is ``python -m fastsample bench`` (``bench_controls.py``, ``bench_verify.py`` and
+``bench_distributed.py`` its ``--controls``, ``--verify`` and ``--distributed`` parts).
 """
 
 from . import distributed
@@ -33,12 +35,16 @@ from .verify import TokenTree, TreeVerifyOutput, VerifyOutput, verify_chain, ver
 __all__ = [
     "SampleOutput",
     "Stream",
+    "TokenTree",
+    "TreeVerifyOutput",
+    "VerifyOutput",
     "advance_step",
     "distributed",
     "fast_sample",
     "process",
     "sample",
     "sample_from_probs",
+    "verify_chain",
+    "verify_tree",
 ]
-__all__ += ["TokenTree", "TreeVerifyOutput", "VerifyOutput", "verify_chain", "verify_tree"]
 __version__ = "0.1.0"
