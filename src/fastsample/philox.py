@@ -141,7 +141,7 @@ def philox4x32_pairs(
         product = multiplied * multipliers  # wraps mod 2**64: low 64 bits exact
         high = torch.bitwise_right_shift(product, shift32)
         # Round key (k1 + r W1, k0 + r W0): its carries above bit 31 are masked with the rest.
-        high.bitwise_xor_(xored).bitwise_xor_(key + bumps[r]).bitwise_and_(mask32)
+        high.bitwise_xor_(xored).bitwise_xor_(key + bumps[r] if r else key).bitwise_and_(mask32)
         # New (c0, c2) = (hi(M1 c2) ^ c1 ^ k0, hi(M0 c0) ^ c3 ^ k1): the lanes swap.
         multiplied = high.flip(-1)
         # New (c3, c1) = (lo(M0 c0), lo(M1 c2)): the low words, already in (c3, c1) order.
