@@ -177,6 +177,46 @@ def test_steps_and_streams_change_the_draws():
         assert (other != base).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_int_and_tensor_streams_give_the_same_draws(method):
+    """A Python-int stream takes a shortcut (no tensor op); it must mean what the tensor does."""
+    probs, seeds, steps = random_requests(9, 700, seed=4)
+    for stream in (0, 5, Stream.RECOVERY + 2, 2**24 - 1):
+        as_int = fs.sample_from_probs(
+            probs, 3, seed=seeds, step=steps, stream=stream, method=method
+        )
+        as_tensor = fs.sample_from_probs(
+            probs, 3, seed=seeds, step=steps, stream=torch.full((9,), int(stream)), method=method
+        )
+        assert torch.equal(as_int.token_ids, as_tensor.token_ids)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_results_are_ordinary_tensors_in_any_mode(method):
+    """The Philox chain runs in inference mode (cheaper tiny ops); nothing of it may leak out.
+    Uniforms are consumed in place (the race's noise), outputs accept in-place updates, and
+    constants first made inside an outer inference mode work in eager and compiled calls."""
+    import fastsample.philox as philox
+    import fastsample.seeds as seeds_module
+
+    probs, seeds, steps = random_requests(5, 12, seed=5)  # 12 entries: the few-block layout
+    philox._PAIR_CONSTANTS.clear()
+    seeds_module._LANE_CONSTANTS.clear()
+    with torch.inference_mode():
+        inside = fs.sample_from_probs(probs, 2, seed=seeds, step=steps, method=method)
+    out = fs.sample_from_probs(probs, 2, seed=seeds, step=steps, method=method)
+    assert not out.token_ids.is_inference() and not out.probs.is_inference()
+    out.token_ids.add_(0)
+    out.probs.mul_(1)
+    assert torch.equal(out.token_ids, inside.token_ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda p, s, t: fs.sample_from_probs(p, 2, seed=s, step=t, method=method).token_ids,
+        fullgraph=True,
+    )
+    assert torch.equal(compiled(probs, seeds, steps), out.token_ids)
+
+
 def test_advance_step_in_place_and_under_compile():
     step = torch.tensor([0, 5, 2**40])
     assert advance_step(step) is step

@@ -110,14 +110,17 @@ def _pair_constants(device: torch.device, rounds: int) -> _PairConstants:
     """
     cached = _PAIR_CONSTANTS.get((device, rounds))
     if cached is None:
-        lanes = torch.arange(2, device=device)
-        weyl = PHILOX_W1 + (PHILOX_W0 - PHILOX_W1) * lanes  # pairs with key lanes (k1, k0)
-        cached = _PairConstants(
-            multipliers=PHILOX_M0 + (PHILOX_M1 - PHILOX_M0) * lanes,
-            bumps=[weyl * r for r in range(rounds)],
-            shift32=torch.full((), 32, dtype=torch.int64, device=device),
-            mask32=torch.full((), _MASK32, dtype=torch.int64, device=device),
-        )
+        # Ordinary tensors even when first made inside inference mode: cached constants
+        # must be usable in any mode, eager or compiled.
+        with torch.inference_mode(False):
+            lanes = torch.arange(2, device=device)
+            weyl = PHILOX_W1 + (PHILOX_W0 - PHILOX_W1) * lanes  # pairs with key lanes (k1, k0)
+            cached = _PairConstants(
+                multipliers=PHILOX_M0 + (PHILOX_M1 - PHILOX_M0) * lanes,
+                bumps=[weyl * r for r in range(rounds)],
+                shift32=torch.full((), 32, dtype=torch.int64, device=device),
+                mask32=torch.full((), _MASK32, dtype=torch.int64, device=device),
+            )
         _PAIR_CONSTANTS[(device, rounds)] = cached
     return cached
 
