@@ -30,6 +30,8 @@ input; half-precision input is widened to float32 a few rows at a time (2 MiB pi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -83,7 +85,11 @@ def row_summaries(probs: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def inverse_cdf_draw(
-    probs: Tensor, num_samples: int, source: UniformSource, sums: Tensor | None = None
+    probs: Tensor,
+    num_samples: int,
+    source: UniformSource,
+    sums: Tensor | None = None,
+    read: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Ordered draws without replacement by the blocked inverse CDF.
 
@@ -92,6 +98,9 @@ def inverse_cdf_draw(
         num_samples: ``n``, static, ``1 <= n <= V``.
         source: uniforms; ``row_uniforms(n)`` is consumed once.
         sums: precomputed :func:`block_sums` (to reuse a pass), or None.
+        read: for weights that are never materialized: ``read(columns)`` returns the
+            weights at ``columns`` (``(B, c)`` int64, in range), as ``probs.gather`` would;
+            ``probs`` then only gives the shape and device, and ``sums`` is required.
 
     Returns:
         ``token_ids (B, n) int64``, ``genuine (B, n) bool`` (as in
@@ -126,7 +135,8 @@ def inverse_cdf_draw(
 
         start = block * BLOCK
         columns = start + offsets
-        values = probs.gather(1, columns.clamp_max(vocab - 1)).to(torch.float64)
+        clamped = columns.clamp_max(vocab - 1)
+        values = (probs.gather(1, clamped) if read is None else read(clamped)).to(torch.float64)
         if vocab > BLOCK and vocab % BLOCK:  # a short last block: drop clamped duplicates
             values = values * (columns < vocab)
         if token_ids:

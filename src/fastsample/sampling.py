@@ -9,12 +9,14 @@ with the host unless ``check=True``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import _validation as v
+from . import small_top_k
 from .controls import Processed, check_controls, check_source, processed_weights
 from .inverse_cdf import inverse_cdf_draw, row_summaries
 from .noise import UniformSource
@@ -96,12 +98,20 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
 
 
 def _finish(
-    weights: Tensor, token_ids: Tensor, genuine: Tensor, total: Tensor, clean: Tensor
+    weights: Tensor,
+    token_ids: Tensor,
+    genuine: Tensor,
+    total: Tensor,
+    clean: Tensor,
+    read: Callable[[Tensor], Tensor] | None = None,
 ) -> SampleOutput:
-    """Probabilities, log-probabilities and the bad-row policy for drawn ``token_ids``."""
+    """Probabilities, log-probabilities and the bad-row policy for drawn ``token_ids``.
+
+    ``read(columns)`` gives the weights when they were never materialized (``weights`` then
+    only gives the dtype and device)."""
     batch, num_samples = token_ids.shape
     out_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
-    drawn = weights.gather(1, token_ids).to(torch.float64)
+    drawn = (weights.gather(1, token_ids) if read is None else read(token_ids)).to(torch.float64)
     keep = clean[:, None] & genuine
     token_probs = torch.where(keep, drawn / total[:, None], 0.0)
     logprobs = torch.where(keep, drawn.log() - total.log()[:, None], -math.inf)
@@ -340,6 +350,12 @@ def sample(
 
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
         return _all_greedy(source_tensor, logits is not None, num_samples)
+    if small_top_k.applies(logits, controls, num_top):  # the k best blocks and one count
+        assert logits is not None
+        token_ids, genuine, total, valid, read = small_top_k.draw(
+            logits, controls, num_samples, source
+        )
+        return _finish(logits, token_ids.clamp_max_(vocab - 1), genuine, total, valid, read)
     processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
     if controls.all_greedy:  # nothing random: skip the draw
         token_ids, genuine = _greedy_draws(

@@ -35,6 +35,8 @@ one. So one blocked max pass plus a sort of ``n`` small blocks replaces the sort
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -44,6 +46,7 @@ from .inverse_cdf import BLOCK
 # pattern (31 bits for float32, 63 for float64).
 _ROUNDS = {torch.float32: (11, 10, 10), torch.float64: (11, 11, 11, 10, 10, 10)}
 _GROUP = 64  # buckets per group of the two-level suffix search
+_TOP_GROUP = 32  # entries per group in the second level of candidate_entries
 
 
 def _pattern_words(values: Tensor) -> list[Tensor]:
@@ -255,6 +258,16 @@ def first_argmax(
 CANDIDATE_MAX_K = 1024
 
 
+class Candidates(NamedTuple):
+    """The ``num`` largest entries of each row and the blocks they were taken from."""
+
+    values: Tensor  # (B, num), largest first, ties in any order
+    ids: Tensor  # (B, num) int64
+    blocks: Tensor  # (B, count) the candidate blocks (the count largest block maxima)
+    content: Tensor  # (B, count * BLOCK) those blocks' entries; -inf past the vocabulary
+    positions: Tensor  # (B, num) where each of the num largest sits in ``content``
+
+
 def largest_entries(
     values: Tensor, num: int, maxima: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -263,10 +276,64 @@ def largest_entries(
     Like :func:`top_entries` with ``torch.topk`` on the candidate blocks (no sort): for
     order statistics, where tie order does not matter.
     """
+    found = candidate_entries(values, num, maxima)
+    return found.values, found.ids
+
+
+def candidate_entries(values: Tensor, num: int, maxima: Tensor | None = None) -> Candidates:
+    """:func:`largest_entries` with the candidate blocks and their entries.
+
+    Every entry outside the candidate blocks is ``<=`` the ``num``-th largest: its block's
+    maximum is at most every candidate block's maximum, so a larger entry there would make
+    each of the ``num`` candidate blocks hold one too: ``num + 1`` entries above the
+    ``num``-th largest.
+    """
     if maxima is None:
         maxima = block_maxima(values)
     count = min(num, maxima.shape[1])
-    blocks = torch.topk(maxima, count, dim=1).indices
-    candidates, columns = _gather_blocks(values, blocks)
-    best = torch.topk(candidates, num, dim=1)
-    return best.values, columns.gather(1, best.indices).clamp_max_(values.shape[1] - 1)
+    blocks = torch.topk(maxima, count, dim=1, sorted=False).indices  # any order will do
+    content = _block_content(values, blocks)
+    # The same argument one level down: the num largest lie in the num groups of _TOP_GROUP
+    # entries with the largest maxima, so the final topk reads num * 32 entries, not
+    # num * 256 (torch.topk's cost grows with the row length; on CPU an amax over 32
+    # contiguous entries is ~4x faster than over 16).
+    batch = values.shape[0]
+    if content.shape[1] % _TOP_GROUP:  # a vocabulary shorter than a block: one short block
+        best = torch.topk(content, num, dim=1)
+        positions = best.indices
+    else:
+        groups = content.view(batch, -1, _TOP_GROUP)
+        group_maxima = groups.amax(-1)
+        chosen = torch.topk(group_maxima, min(num, group_maxima.shape[1]), dim=1, sorted=False)
+        picked = groups.gather(1, chosen.indices[:, :, None].expand(-1, -1, _TOP_GROUP))
+        best = torch.topk(picked.flatten(1), num, dim=1)
+        positions = chosen.indices.gather(1, best.indices // _TOP_GROUP) * _TOP_GROUP
+        positions += best.indices % _TOP_GROUP
+    # Position p of the content is entry p % BLOCK of candidate block p // BLOCK.
+    ids = blocks.gather(1, positions // BLOCK) * BLOCK + positions % BLOCK
+    return Candidates(best.values, ids.clamp_max_(values.shape[1] - 1), blocks, content, positions)
+
+
+def _block_content(values: Tensor, blocks: Tensor) -> Tensor:
+    """``(B, len * BLOCK)``: the entries of the given blocks, ``-inf`` past the vocabulary.
+
+    Indexes whole blocks of a ``(B, full, BLOCK)`` view (a row copy per block, ~2x faster
+    than a per-entry gather); a short last block is padded and substituted where chosen.
+    """
+    batch, vocab = values.shape
+    if vocab < BLOCK:
+        return _gather_blocks(values, blocks)[0]
+    full = vocab // BLOCK
+    rows = torch.arange(batch, device=values.device)[:, None]
+    whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
+    content = whole[rows, blocks.clamp_max(full - 1)]
+    if vocab % BLOCK:
+        pad = torch.full(
+            (batch, full * BLOCK + BLOCK - vocab),
+            -torch.inf,
+            dtype=values.dtype,
+            device=values.device,
+        )
+        tail = torch.cat((values[:, full * BLOCK :], pad), dim=1)
+        content = torch.where((blocks == full)[:, :, None], tail[:, None, :], content)
+    return content.flatten(1)

@@ -1,0 +1,197 @@
+"""Sampling with a small Python ``top_k`` without computing the weights of the whole row.
+
+When ``top_k`` is a Python int up to :data:`~fastsample.select.CANDIDATE_MAX_K` (temperature,
+top-p and min-p Python numbers or off, float32 logits, no ``top_logprobs``), every token that
+can survive the cuts lies in the ``k`` blocks with the largest maxima, except ties at the k-th
+weight, which can sit anywhere in the row. So instead of the weights of every entry (~25 read
+passes of eager CPU ops), this path computes:
+
+1. the block maxima of the logits (one read pass), the ``k`` largest logits from the ``k``
+   best blocks (:func:`fastsample.select.candidate_entries`), their weights and ``cut_k``,
+   the k-th largest weight;
+2. ``x_low``, the smallest float32 logit whose weight is ``>= cut_k``, by a 64-way search
+   over the ordered bit patterns (6 rounds of ``(B, 65)`` ops). The weight map
+   ``x -> exp((x - max) / T)`` is monotone, so ``w >= cut_k`` iff ``x >= x_low``;
+3. one counting pass over the logits: per block, how many are ``>= x_low``. Outside the
+   candidate blocks those are exactly the ties at ``cut_k``; top-p's mass needs their number;
+4. the cuts of :mod:`fastsample.controls` (the same functions on the same numbers) and the
+   block sums of the kept weights: each candidate block summed from its own entries, every
+   other block its tie count times the ties' scaled weight (exactly 1, or 0 if cut);
+5. the blocked inverse CDF over that table, reading a chosen block's weights from its logits.
+
+Every number is computed by the same float operations as the general path
+(:func:`fastsample.controls.processed_weights`, then
+:func:`~fastsample.inverse_cdf.inverse_cdf_draw` over the kept weights), so the draws are
+bitwise those of ``top_k`` given as a ``(B,)`` tensor; the tests hold the two paths to that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .controls import (
+    _BELOW_ONE,
+    _CUT_FLOOR,
+    Controls,
+    _as_rows,
+    _top_p_cut_from_candidates,
+)
+from .inverse_cdf import BLOCK, inverse_cdf_draw
+from .noise import UniformSource
+from .seeds import _small_op_mode
+from .select import CANDIDATE_MAX_K, block_maxima, candidate_entries
+
+# The counting pass works on pieces of this many logits (1 MiB of float32): its scratch stays
+# in cache, so the pass costs little more than reading the logits.
+_PIECE_ELEMENTS = 1 << 18
+# Bit patterns of float32 keyed so that integer order is float order (see _order_key).
+_NEG_INF_KEY = -2139095041  # the key of -inf
+_SEARCH_SHIFT = 6  # 2**6 = 64-way search: 63 probes a round divide the interval by ~64
+_SEARCH_ROUNDS = 6  # 2**32 keys: 64**6 = 2**36 (each round's ceiling adds at most 1)
+
+
+def applies(logits: Tensor | None, controls: Controls, num_top: int) -> bool:
+    """Whether :func:`draw` serves this call (otherwise the general path does)."""
+    if logits is None or logits.dtype != torch.float32 or num_top:
+        return False
+    batch, vocab = logits.shape
+    t = controls.temperature
+    return (
+        batch > 0
+        and vocab >= BLOCK
+        and isinstance(controls.top_k, int)
+        and controls.top_k <= CANDIDATE_MAX_K
+        and (t is None or (isinstance(t, float) and t > 0))
+        and not isinstance(controls.top_p, Tensor)
+        and not isinstance(controls.min_p, Tensor)
+    )
+
+
+def draw(
+    logits: Tensor, controls: Controls, num_samples: int, source: UniformSource
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """Draws from the processed distribution of float32 ``logits`` (:func:`applies` holds).
+
+    Returns ``token_ids (B, n)`` (not yet clamped to ``V - 1``), ``genuine (B, n)``,
+    ``total (B,)`` float64 (the kept mass), ``valid (B,)`` and ``read``, which gives the kept
+    (scaled) weight at any ``(B, c)`` columns, as the general path's weight buffer would.
+    """
+    batch, vocab = logits.shape
+    width = vocab + vocab % 2  # the general path's even-width weight buffer
+    temperature = controls.temperature
+    assert isinstance(controls.top_k, int)
+
+    maxima = block_maxima(logits)
+    best = maxima.amax(-1)
+    finite = (best > -math.inf) & (best < math.inf)
+    shift = torch.where(finite, best, 0.0)[:, None]
+
+    def weigh(x: Tensor) -> Tensor:
+        # The general path's ops, in its order: sub, div (if a temperature), exp.
+        w = torch.sub(x, shift)
+        if temperature is not None:
+            w.div_(temperature)
+        return w.exp_()
+
+    found = candidate_entries(logits, controls.top_k, maxima)
+    candidates = torch.where(found.values > -math.inf, weigh(found.values), 0.0)
+    cut_k = candidates[:, -1]
+    x_low = _lowest_logit_reaching(weigh, found.values[:, -1], cut_k)
+    counts = _count_at_least(logits, x_low)  # (B, blocks) float32
+
+    # Entries above cut_k are all candidates; the rest of count(x >= x_low) are ties at it.
+    strictly_above = torch.where(candidates > cut_k[:, None], candidates, 0.0)
+    cut = cut_k
+    if controls.top_p is not None:
+        ties = counts.sum(-1, dtype=torch.float64) - (strictly_above > 0).sum(-1)
+        mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut_k.to(torch.float64)
+        cut = torch.maximum(
+            cut, _top_p_cut_from_candidates(candidates, cut_k, controls.top_p, mass)
+        )
+    if controls.min_p is not None:
+        f64 = torch.zeros(batch, dtype=torch.float64, device=logits.device)
+        cut = torch.maximum(cut, _as_rows(controls.min_p, batch, f64).to(cut.dtype))
+    scale = cut.clamp_min(_CUT_FLOOR[torch.float32])[:, None]
+
+    def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
+        return torch.nn.functional.threshold_(w.div_(scale), _BELOW_ONE[torch.float32], 0.0)
+
+    def read(columns: Tensor) -> Tensor:
+        w = weigh(logits.gather(1, columns.clamp_max(vocab - 1)))
+        if width > vocab:  # the general buffer's padding column weighs 0
+            w = torch.where(columns < vocab, w, 0.0)
+        return keep(w)
+
+    # Block sums of the kept weights. Besides the k largest, only ties at cut_k can be kept
+    # (entries >= x_low), each scaled to exactly 1 when the final cut is cut_k itself (and
+    # above the floor), else cut. So the candidate blocks' kept weights are that tie weight
+    # where x >= x_low, with the k largest written over it: no exp over the blocks.
+    tie_weight = ((cut == cut_k) & (cut_k >= _CUT_FLOOR[torch.float32])).to(torch.float32)
+    kept = torch.ge(found.content, x_low[:, None], out=torch.empty_like(found.content))
+    kept.mul_(tie_weight[:, None])
+    kept = kept.scatter_(1, found.positions, keep(candidates.clone()))
+    kept = kept.view(batch, -1, BLOCK)
+    candidate_sums = kept.sum(-1)
+    last, tail = divmod(width, BLOCK)
+    if tail:  # a short last block is summed over its own entries only, as block_sums does
+        short = kept[:, :, :tail].sum(-1)
+        candidate_sums = torch.where(found.blocks == last, short, candidate_sums)
+    table = (counts * tie_weight[:, None]).scatter_(1, found.blocks, candidate_sums)
+    sums = table.to(torch.float64)
+
+    shape = torch.empty((), dtype=logits.dtype, device=logits.device).expand(batch, width)
+    token_ids, genuine, total = inverse_cdf_draw(shape, num_samples, source, sums=sums, read=read)
+    valid = finite & (total > 0) & (total < math.inf)
+    return token_ids, genuine, total, valid, read
+
+
+def _order_key(bits: Tensor) -> Tensor:
+    """float32 bit patterns (int64, sign-extended) <-> integers in float order (involution):
+    negative patterns order backwards, so their magnitude bits are flipped."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _lowest_logit_reaching(weigh: Callable[[Tensor], Tensor], x_k: Tensor, cut_k: Tensor) -> Tensor:
+    """``(B,)`` smallest float32 ``x`` with ``weigh(x) >= cut_k``; ``weigh(x_k) == cut_k``.
+
+    A 64-way search over ordered keys between ``-inf`` (weight 0, below any positive cut) and
+    ``x_k``: 63 probes a round, the interval shrinks ~64x, 6 rounds cover all 2**32 keys.
+    Rows with ``cut_k == 0`` or NaN get an arbitrary value (their ties weigh nothing).
+    """
+    with _small_op_mode():  # ~100 ops on (B, 65) tensors: per-op overhead is the cost
+        hi = _order_key(x_k.view(torch.int32).to(torch.int64))[:, None]
+        lo = torch.full_like(hi, _NEG_INF_KEY)
+        steps = torch.arange((1 << _SEARCH_SHIFT) + 1, device=x_k.device)
+        cut = cut_k[:, None]
+        for _ in range(_SEARCH_ROUNDS):
+            table = ((hi - lo) * steps).bitwise_right_shift_(_SEARCH_SHIFT).add_(lo)
+            probes = _order_key(table[:, 1:-1]).to(torch.int32).view(torch.float32)
+            # The weight is monotone, so the probes below the cut are a prefix.
+            below = (weigh(probes) < cut).sum(-1, keepdim=True)
+            lo, hi = table.gather(1, below), table.gather(1, below.add_(1))
+        low = _order_key(hi).to(torch.int32).view(torch.float32).squeeze(1)
+    return low.clone()  # an ordinary tensor again
+
+
+def _count_at_least(logits: Tensor, x_low: Tensor) -> Tensor:
+    """``(B, blocks)`` float32: per block, the entries ``>= x_low`` of their row.
+
+    The comparison writes 0/1 floats straight into a cache-sized scratch (a bool result and
+    its sum would cost ~10x more on CPU); their block sums are exact.
+    """
+    batch, vocab = logits.shape
+    full = vocab // BLOCK
+    rows = batch if logits.device.type != "cpu" else max(1, _PIECE_ELEMENTS // vocab)
+    scratch = torch.empty(min(rows, batch), vocab, dtype=logits.dtype, device=logits.device)
+    pieces = []
+    for piece, low in zip(logits.split(rows), x_low[:, None].split(rows), strict=True):
+        hits = torch.ge(piece, low, out=scratch[: piece.shape[0]])
+        part = hits[:, : full * BLOCK].reshape(piece.shape[0], full, BLOCK).sum(-1)
+        if vocab % BLOCK:
+            part = torch.cat((part, hits[:, full * BLOCK :].sum(-1, keepdim=True)), dim=1)
+        pieces.append(part)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
