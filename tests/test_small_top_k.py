@@ -1,0 +1,175 @@
+"""The small static top_k path (fastsample.small_top_k) against the general path and the reference.
+
+The path must be invisible: for every row kind and control mix it draws bitwise what the
+general path draws (which test_controls holds to the float64 reference), and its own
+frequencies pass the same chi-square battery on rows built so that ties at the k-th weight
+sit outside the candidate blocks. Negative control: the battery rejects the path with those
+ties ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+
+import fastsample as fs
+from fastsample import small_top_k
+from fastsample.controls import check_controls
+from reference import reference_probs, robust_top_p
+from stattests import law_rejected
+from test_controls import DRAWS, assert_sampler_exact, draw_counts
+
+
+def row_kinds(vocab: int, seed: int) -> torch.Tensor:
+    """Seven rows of float32 logits: peaked, flat, integer ties, -inf masks, all equal, one
+    finite entry, and rows with NaN / +inf / every entry -inf (invalid)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, vocab, generator=gen)
+    x[0] *= 3
+    x[1] *= 0.3
+    x[2] = torch.randint(-2, 3, (vocab,), generator=gen).float()
+    x[3, torch.rand(vocab, generator=gen) < 0.5] = -torch.inf
+    x[4] = 1.0
+    x[5] = -torch.inf
+    x[5, vocab // 3] = 0.5
+    x[6, 5] = torch.nan
+    return x
+
+
+def draw_both(monkeypatch, x, **controls):
+    fast = fs.sample(x, **controls)
+    with monkeypatch.context() as patch:
+        patch.setattr(small_top_k, "applies", lambda *args: False)
+        general = fs.sample(x, **controls)
+    return fast, general
+
+
+@pytest.mark.parametrize("vocab", [256, 300, 511, 2999, 4096])
+def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab):
+    plus_inf = torch.zeros(1, vocab)
+    plus_inf[0, 3] = torch.inf
+    x = torch.cat((row_kinds(vocab, seed=vocab), plus_inf))
+    seeds = torch.arange(x.shape[0]) * 7919 + vocab
+    configs = itertools.product((1, 7, 40, 300), (None, 0.7, 1e6), (None, 0.9), (None, 0.05))
+    checked = 0
+    for (k, t, p, m), n in itertools.product(configs, (1, 2)):
+        controls = dict(temperature=t, top_k=k, top_p=p, min_p=m, num_samples=n)
+        checked_controls = check_controls(t, k, p, m, *x.shape, x.device)
+        if not small_top_k.applies(x, checked_controls, 0):
+            continue
+        checked += 1
+        fast, general = draw_both(monkeypatch, x, seed=seeds, step=11, **controls)
+        for name in ("token_ids", "probs", "logprobs", "valid"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), (name, controls)
+        assert not fast.valid[6:].any()  # the NaN and +inf rows
+    assert checked == sum(k < vocab for k in (1, 7, 40, 300)) * 12 * 2
+
+
+def test_applies_only_to_what_it_reproduces():
+    x = torch.randn(2, 1000)
+    ok = check_controls(0.7, 50, 0.9, 0.05, 2, 1000, x.device)
+    assert small_top_k.applies(x, ok, 0)
+    assert small_top_k.applies(x, check_controls(None, 1024, None, None, 2, 1025, x.device), 0)
+    assert not small_top_k.applies(x, ok, 3)  # top_logprobs
+    assert not small_top_k.applies(None, ok, 0)  # probabilities
+    assert not small_top_k.applies(x.double(), ok, 0)
+    assert not small_top_k.applies(x[:, :255], ok, 0)  # shorter than a block
+    for changed in (
+        dict(temperature=0.0),
+        dict(temperature=torch.full((2,), 0.7)),
+        dict(top_k=torch.full((2,), 50)),
+        dict(top_k=None),
+        dict(top_p=torch.full((2,), 0.9)),
+        dict(min_p=torch.full((2,), 0.05)),
+    ):
+        args = dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05) | changed
+        controls = check_controls(*args.values(), 2, 1000, x.device)
+        assert not small_top_k.applies(x, controls, 0), changed
+    big = torch.randn(1, 3000)
+    assert not small_top_k.applies(big, check_controls(None, 1025, None, None, 1, 3000, "cpu"), 0)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def tie_rows() -> tuple[np.ndarray, list]:
+    """Rows whose k-th largest weight is shared by entries in blocks that are not among the
+    k best, so only the counting pass finds them."""
+    rng = np.random.default_rng(3)
+    vocab = 2048  # 8 blocks
+    spread = np.zeros(vocab)  # 2 large entries in block 0; the k-th (k=3) is a tie at 0
+    spread[[5, 9]] = 2.0
+    stairs = rng.integers(-3, 1, size=vocab).astype(np.float64)  # integer ties everywhere
+    stairs[[100, 1500]] = 1.5  # the 3rd largest is a 0, shared by ~500 entries
+    controls = [(0.8, 3, 1.0, 0.0), (1.0, 3, 1.0, 0.0)]
+    survivors = reference_probs(stairs, 1.3, 3)
+    controls.append((1.3, 3, robust_top_p(survivors, rng), 0.0))
+    return np.stack([spread, stairs, stairs]), controls
+
+
+def test_frequencies_with_ties_beyond_the_candidate_blocks():
+    xs, controls = tie_rows()
+    want = np.stack([reference_probs(x, *c) for x, c in zip(xs, controls, strict=True)])
+    assert (want[0] > 0).sum() == 2048 and (want[1] > 0).sum() > 400  # ties everywhere
+    x = torch.tensor(xs, dtype=torch.float32)
+    counts = draw_counts(x, controls, DRAWS, scalar=True)
+    assert_sampler_exact(counts, want, "ties beyond the candidates")
+
+
+def test_negative_control_ignoring_the_counting_pass_is_caught(monkeypatch):
+    xs, controls = tie_rows()
+    want = np.stack([reference_probs(x, *c) for x, c in zip(xs, controls, strict=True)])
+    monkeypatch.setattr(small_top_k, "_count_at_least", lambda x, low: _only_candidates(x))
+    counts = draw_counts(torch.tensor(xs, dtype=torch.float32), controls, 20000, scalar=True)
+    for row in range(len(controls)):
+        assert law_rejected(counts[row], want[row]), f"row {row}: the bug went unnoticed"
+
+
+def _only_candidates(logits: torch.Tensor) -> torch.Tensor:
+    blocks = -(-logits.shape[1] // 256)
+    return torch.zeros(logits.shape[0], blocks)
+
+
+def test_lowest_logit_reaching_is_the_exact_boundary():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 40, generator=gen)
+    for temperature in (0.05, 1.0, 1e4):
+        shift = x.amax(-1, keepdim=True)
+
+        def weigh(v, shift=shift, temperature=temperature):
+            return torch.sub(v, shift).div_(temperature).exp_()
+
+        x_k = x[:, 7]
+        cut = weigh(x)[:, 7]
+        low = small_top_k._lowest_logit_reaching(weigh, x_k, cut)
+        below = torch.nextafter(low, torch.tensor(-torch.inf))
+        positive = cut > 0  # a zero cut has no boundary (every weight reaches it)
+        assert positive.sum() > 10
+        assert (weigh(low[:, None])[:, 0] >= cut)[positive].all()
+        assert (weigh(below[:, None])[:, 0] < cut)[positive].all()
+        assert (low <= x_k)[positive].all()
+        if temperature == 1e4:  # weights merge: the boundary lies below x_k in most rows
+            assert (low < x_k).float().mean() > 0.5
+
+
+# ----------------------------------------------------------------------------- graph safety
+
+
+def test_compiles_fullgraph_and_matches_eager():
+    x = row_kinds(1000, seed=4)[:6]
+    seeds = torch.arange(6)
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True)
+    def step(logits, s):
+        out = fs.sample(logits, temperature=0.7, top_k=20, top_p=0.9, seed=s, num_samples=2)
+        return out.token_ids, out.probs
+
+    ids, probs = step(x, seeds)
+    eager = fs.sample(x, temperature=0.7, top_k=20, top_p=0.9, seed=seeds, num_samples=2)
+    assert torch.equal(ids, eager.token_ids)
+    torch.testing.assert_close(probs, eager.probs)
