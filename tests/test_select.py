@@ -85,6 +85,21 @@ def test_top_entries_orders_ties_by_index_across_blocks():
     assert torch.equal(values.gather(1, large_ids), large_values)
 
 
+@pytest.mark.parametrize("vocab", [256, 512, 1000, 1024, 4096])
+def test_first_argmax_is_the_first_maximal_index(vocab):
+    """Whole-block and short-block layouts, contiguous or not, ties within and across blocks."""
+    gen = torch.Generator().manual_seed(vocab)
+    values = torch.randint(-3, 3, (12, vocab), generator=gen).float()
+    values[1] = -math.inf
+    values[2, 7::300] = math.inf
+    values[3, vocab - 1] = 9.0  # the very last entry
+    for x in (values, values.t().contiguous().t()):  # the second is not contiguous
+        want = values.numpy().argmax(-1)  # numpy also returns the first maximal index
+        assert first_argmax(x).tolist() == want.tolist()
+    values[4, 3] = math.nan
+    assert 0 <= first_argmax(values)[4] < vocab
+
+
 def test_first_argmax_and_short_vocabularies():
     values = torch.tensor([[1.0, 5.0, 5.0], [2.0, 0.0, 2.0], [math.nan, 1.0, 0.0]])
     assert first_argmax(values).tolist() == [1, 0, 0]

@@ -397,12 +397,11 @@ def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutp
         valid = (source.amin(-1, keepdim=True) >= 0) & (best > 0) & (best < math.inf)
     out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
     if num_samples == 1:  # every draw genuine: fewer small ops on the per-token path
-        ids = first_argmax(source, maxima, best)[:, None]
+        ids = first_argmax(source, maxima)[:, None]
+        probability = valid.to(out_dtype)
+        # log(1) = 0 and log(0) = -inf exactly: the log-probability in one op.
         return SampleOutput(
-            torch.where(valid, ids, 0),
-            valid.to(out_dtype),
-            valid.squeeze(1),
-            torch.where(valid, 0.0, -math.inf).to(out_dtype),
+            torch.where(valid, ids, 0), probability, valid.squeeze(1), probability.log()
         )
     values, ids = top_entries(source, num_samples, maxima)
     genuine = values > (-math.inf if is_logits else 0.0)

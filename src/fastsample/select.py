@@ -228,13 +228,11 @@ def top_entries(values: Tensor, num: int, maxima: Tensor | None = None) -> tuple
     return ranked.values[:, :num], ids
 
 
-def first_argmax(
-    values: Tensor, maxima: Tensor | None = None, best: Tensor | None = None
-) -> Tensor:
-    """``(B,)`` index of the first maximal entry per row (0 for a NaN row), one blocked pass.
+def first_argmax(values: Tensor, maxima: Tensor | None = None) -> Tensor:
+    """``(B,)`` index of the first maximal entry per row (in range for a NaN row), one
+    blocked pass.
 
-    ``maxima`` (:func:`block_maxima`) and ``best`` (their row maximum, ``(B, 1)``) may be
-    passed in when already computed.
+    ``maxima`` (:func:`block_maxima`) may be passed in when already computed.
 
     Example:
         >>> first_argmax(torch.tensor([[1.0, 5.0, 5.0], [2.0, 0.0, 2.0]]))
@@ -242,15 +240,20 @@ def first_argmax(
     """
     if maxima is None:
         maxima = block_maxima(values)
-    if best is None:
-        best = maxima.amax(-1, keepdim=True)
-    # argmax returns the first maximal position: the first block holding the row maximum.
-    block = (maxima == best).view(torch.uint8).argmax(-1, keepdim=True)
+    # torch.max returns the first maximal index (documented), so this is the first block
+    # holding the row maximum, then the first maximal entry in it. On small CPU rows max()
+    # is ~4x faster than argmax() or an equality mask.
+    block = maxima.max(-1, keepdim=True).indices
+    batch, vocab = values.shape
+    if vocab % BLOCK == 0 and values.is_contiguous():  # index the (B, blocks, BLOCK) view
+        whole = values.view(batch, vocab // BLOCK, BLOCK)
+        chosen = whole.gather(1, block[:, :, None].expand(batch, 1, BLOCK)).squeeze(1)
+        return (block.squeeze(1) * BLOCK).add_(chosen.max(-1).indices)
     candidates, columns = _gather_blocks(values, block)
-    inner = (candidates == best).view(torch.uint8).argmax(-1, keepdim=True)
+    inner = candidates.max(-1, keepdim=True).indices
     ids = columns.gather(1, inner).squeeze(1)
     # Past-the-end columns of a short last block read -inf, so only a NaN row can land there.
-    return ids if values.shape[1] % BLOCK == 0 else ids.clamp_max_(values.shape[1] - 1)
+    return ids if vocab % BLOCK == 0 else ids.clamp_max_(vocab - 1)
 
 
 # Up to this k, top-k thresholds come from candidate blocks (topk of ~k blocks) instead of
