@@ -22,7 +22,7 @@ from .inverse_cdf import inverse_cdf_draw, row_summaries
 from .noise import UniformSource
 from .race import race_draw, repeat_last_genuine
 from .seeds import make_source
-from .select import block_maxima, first_argmax, top_entries
+from .select import block_maxima, first_in_block, top_entries
 
 
 class SampleOutput(NamedTuple):
@@ -390,14 +390,15 @@ def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutp
     """``temperature=0`` for every row: the first maximal index (or the ``n`` largest),
     probability 1, from block maxima alone (plus the minimum for probabilities)."""
     maxima = block_maxima(source)
-    best = maxima.amax(-1, keepdim=True)
+    # The row maximum and the first block holding it (torch.max returns the first index).
+    best, block = maxima.max(-1, keepdim=True)
     if is_logits:
-        valid = (best > -math.inf) & (best < math.inf)  # (B, 1)
+        valid = best.isfinite()  # (B, 1); NaN, +inf and an all -inf row are not
     else:
         valid = (source.amin(-1, keepdim=True) >= 0) & (best > 0) & (best < math.inf)
     out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
     if num_samples == 1:  # every draw genuine: fewer small ops on the per-token path
-        ids = first_argmax(source, maxima)[:, None]
+        ids = first_in_block(source, block)[:, None]
         probability = valid.to(out_dtype)
         # log(1) = 0 and log(0) = -inf exactly: the log-probability in one op.
         return SampleOutput(
