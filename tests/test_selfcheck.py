@@ -45,3 +45,14 @@ def test_threshold_matches_scipy_where_available():
         exact, approx = chi2.isf(1e-6, df), selfcheck.chi2_threshold(df)
         # Wilson-Hilferty errs high at small df: conservative (fewer false alarms).
         assert exact * 0.999 <= approx <= exact * 1.15
+
+
+def test_shortcut_check_fails_without_the_counting_pass(monkeypatch):
+    from fastsample import small_top_k
+
+    def candidates_only(logits, x_low):  # as if no tie lay outside the k best blocks
+        return logits.new_zeros(logits.shape[0], -(-logits.shape[1] // 256))
+
+    assert selfcheck.check_small_top_k(CPU) is None
+    monkeypatch.setattr(small_top_k, "_count_at_least", candidates_only)
+    assert "top-k shortcut" in selfcheck.check_small_top_k(CPU)

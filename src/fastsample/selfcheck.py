@@ -8,7 +8,8 @@ is installed, with no test dependencies:
   1e-6 per check; each check is also run on a 2%-biased law, which it must reject (so a
   pass means the check had the power to fail);
 * sampling controls: ``fastsample.sample`` with per-row tensor temperature, top-k, top-p
-  and min-p against a reference written here with a full sort (same power check);
+  and min-p against a reference written here with a full sort (same power check), and the
+  small Python ``top_k`` shortcut on a row whose ties at the cut fill every block;
 * zero weights are never drawn; bad rows (NaN, inf, negative, all-zero) are flagged and
   leave the other rows bitwise unchanged;
 * batch invariance with per-request seeds;
@@ -189,6 +190,43 @@ def check_controls(device: torch.device) -> str | None:
     return None
 
 
+# The small-top_k shortcut reads only the k best blocks of 256 plus a counting pass: a row
+# whose k-th largest weight is shared by entries in every block tests that pass. Row: one
+# logit of 2.0 in block 0, 1023 zeros; k=2 makes every zero a tie at the cut. With top_p=0.01
+# the mass of all 1023 ties decides whether the top token alone reaches the target (it must
+# not: 0.01 * (1 + 1023 e^-2) > 1).
+SHORTCUT_VOCAB = 1024
+SHORTCUT_SETTINGS = [(0.8, 2, 1.0, 0.0), (1.0, 2, 0.01, 0.0)]
+
+
+def check_small_top_k(device: torch.device) -> str | None:
+    """fastsample.sample with a Python top_k (the shortcut) against the sorted reference."""
+    logits = torch.zeros(SHORTCUT_VOCAB, device=device)
+    logits[5] = 2.0
+    draws, chunk = 60_000, 7_500
+    for temperature, top_k, top_p, min_p in SHORTCUT_SETTINGS:
+        counts = torch.zeros(SHORTCUT_VOCAB, dtype=torch.int64, device=device)
+        for start in range(0, draws, chunk):
+            out = sample(
+                logits.expand(chunk, -1),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                seed=torch.arange(start, start + chunk, device=device),
+            )
+            counts += torch.bincount(out.token_ids[:, 0], minlength=SHORTCUT_VOCAB)
+        law = controlled_law(logits, temperature, top_k, top_p, min_p)
+        setting = f"T={temperature} k={top_k} p={top_p}"
+        if not law_holds(counts, law):
+            return (
+                f"top-k shortcut {setting}: chi-square {chi_square(counts, law)[0]:.1f} too large"
+            )
+        if law_holds(counts, _biased(law)):
+            return f"top-k shortcut {setting}: a 2% bias was not detected (check has no power)"
+    return None
+
+
 def check_bad_rows(device: torch.device) -> str | None:
     gen = torch.Generator().manual_seed(0)
     clean = torch.softmax(torch.randn(5, 3000, generator=gen), -1).to(device)
@@ -277,6 +315,7 @@ def run_checks(device: torch.device, report: Callable[[str], None]) -> int:
         checks.append((f"pair law, {name}", lambda d=draw: check_pairs(d, device)))
         checks.append((f"zero weights, {name}", lambda d=draw: check_zero_weights(d, device)))
     checks.append(("sampling controls (T, top-k, top-p, min-p)", lambda: check_controls(device)))
+    checks.append(("small top-k shortcut, ties", lambda: check_small_top_k(device)))
     checks.append(("bad rows", lambda: check_bad_rows(device)))
     checks.append(("batch invariance", lambda: check_batch_invariance(device)))
     if device.type == "cuda":
