@@ -22,6 +22,8 @@ timeout 300 python -m pytest -q -rs tests/test_cuda_graphs.py tests/test_philox.
     -k "cuda or capture or graph or device_mismatch" 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
 timeout 200 python -m pytest -q -rs tests/test_verify.py -k "cuda" 2>&1 \
     | tee "$OUT/cuda-tests-verify.txt" || status=1
+timeout 200 python -m pytest -q -rs tests/test_small_top_k.py -k "cuda" 2>&1 \
+    | tee "$OUT/cuda-tests-small-top-k.txt" || status=1
 
 timeout 120 python -m fastsample selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.txt" || status=1
 

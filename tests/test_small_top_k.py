@@ -48,12 +48,21 @@ def draw_both(monkeypatch, x, **controls):
     return fast, general
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vocab", [256, 300, 511, 2999, 4096])
-def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab):
+def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab, device):
     plus_inf = torch.zeros(1, vocab)
     plus_inf[0, 3] = torch.inf
-    x = torch.cat((row_kinds(vocab, seed=vocab), plus_inf))
-    seeds = torch.arange(x.shape[0]) * 7919 + vocab
+    x = torch.cat((row_kinds(vocab, seed=vocab), plus_inf)).to(device)
+    seeds = torch.arange(x.shape[0], device=device) * 7919 + vocab
     configs = itertools.product((1, 7, 40, 300), (None, 0.7, 1e6), (None, 0.9), (None, 0.05))
     checked = 0
     for (k, t, p, m), n in itertools.product(configs, (1, 2)):

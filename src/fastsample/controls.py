@@ -22,7 +22,7 @@ set is ``{i : w_i >= max(cut_k, cut_p, cut_min)}`` and every cut is exact on tho
 (grammar or bad-word masks) get weight 0 and are never drawn.
 
 :func:`fastsample.sample` with a small Python ``top_k`` on float32 logits skips these
-weights altogether (:mod:`fastsample.small_top_k`), with bitwise the same draws.
+weights altogether (:mod:`fastsample.small_top_k`), with the same draws (bitwise on CPU).
 
 Controls are Python scalars (checked here; an off value skips its stage entirely) or
 ``(B,)`` tensors (every stage runs, values can change between calls without a recompile;

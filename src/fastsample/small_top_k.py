@@ -22,7 +22,10 @@ passes of eager CPU ops), this path computes:
 Every number is computed by the same float operations as the general path
 (:func:`fastsample.controls.processed_weights`, then
 :func:`~fastsample.inverse_cdf.inverse_cdf_draw` over the kept weights), so the draws are
-bitwise those of ``top_k`` given as a ``(B,)`` tensor; the tests hold the two paths to that.
+bitwise those of ``top_k`` given as a ``(B,)`` tensor; the tests hold the two paths to that
+on CPU (and on CUDA where one is present: a reduction there could order its float32 block
+sums differently for the two shapes, which would change a draw only when its uniform falls
+within that rounding of a block boundary; the law is exact either way).
 """
 
 from __future__ import annotations
