@@ -116,3 +116,33 @@ def test_capture_sample_with_per_row_controls():
             counts += torch.bincount(ids, minlength=vocab).cpu().numpy()
         want = reference_probs(row.float().double().numpy(), t, k, p)
         assert_law(counts, want, what=f"T={t} k={k} p={p}")
+
+
+def test_capture_sample_with_a_small_python_top_k():
+    """The small-top_k shortcut (Python controls, float32 logits): captured once with the
+    counting pass, the 64-way search and the block reads inside; replays draw fresh tokens
+    with the processed law, ties at the cut beyond the k best blocks included."""
+    from reference import reference_probs
+
+    batch, vocab = 2048, 1024
+    row = torch.zeros(vocab, dtype=torch.float64)
+    row[5] = 2.0  # k=2: every zero ties at the cut, in all four blocks
+    logits = row.float().cuda().expand(batch, -1).contiguous()
+    seed = torch.arange(batch, device="cuda")
+    step = torch.zeros(batch, dtype=torch.int64, device="cuda")
+
+    def fn(x):
+        out = fs.sample(x, temperature=0.8, top_k=2, seed=seed, step=step)
+        fs.advance_step(step)
+        return out.token_ids
+
+    graph, out = capture(fn, logits)
+    counts = np.zeros(vocab)
+    previous = None
+    for _ in range(30):
+        graph.replay()
+        ids = out[:, 0].clone()
+        assert previous is None or not torch.equal(ids, previous)
+        previous = ids
+        counts += torch.bincount(ids, minlength=vocab).cpu().numpy()
+    assert_law(counts, reference_probs(row.numpy(), 0.8, 2), what="shortcut under capture")
