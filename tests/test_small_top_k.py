@@ -182,3 +182,21 @@ def test_compiles_fullgraph_and_matches_eager():
     eager = fs.sample(x, temperature=0.7, top_k=20, top_p=0.9, seed=seeds, num_samples=2)
     assert torch.equal(ids, eager.token_ids)
     torch.testing.assert_close(probs, eager.probs)
+
+
+def test_the_search_resolves_any_float32_boundary():
+    """The fixed number of rounds covers the whole key range: a step weight switching at any
+    float32, from the most negative to the largest finite, is found exactly."""
+    edges = torch.tensor(
+        [-3.4e38, -1.0, -1e-40, -0.0, 0.0, 1e-45, 1e-40, 1.0, 7.5, 3.4e38], dtype=torch.float32
+    )
+    top = torch.full_like(edges, torch.inf)  # x_k: the top of the range
+
+    def step(x):
+        return (x >= edges[:, None]).float()
+
+    low = small_top_k._lowest_logit_reaching(step, top, torch.ones_like(edges))
+    want = edges.clone()
+    want[3] = -0.0  # -0.0 == 0.0: the first key reaching the step is -0.0 for both
+    want[4] = -0.0
+    assert torch.equal(low.view(torch.int32), want.view(torch.int32))
