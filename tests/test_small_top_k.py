@@ -57,11 +57,14 @@ DEVICES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("vocab", [256, 300, 511, 2999, 4096])
-def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab, device):
+@pytest.mark.parametrize(
+    ("vocab", "dtype"),
+    [(256, "float32"), (300, "bfloat16"), (511, "float32"), (2999, "float16"), (4096, "float32")],
+)
+def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab, dtype, device):
     plus_inf = torch.zeros(1, vocab)
     plus_inf[0, 3] = torch.inf
-    x = torch.cat((row_kinds(vocab, seed=vocab), plus_inf)).to(device)
+    x = torch.cat((row_kinds(vocab, seed=vocab), plus_inf)).to(device, getattr(torch, dtype))
     seeds = torch.arange(x.shape[0], device=device) * 7919 + vocab
     configs = itertools.product((1, 7, 40, 300), (None, 0.7, 1e6), (None, 0.9), (None, 0.05))
     checked = 0
@@ -85,6 +88,7 @@ def test_applies_only_to_what_it_reproduces():
     assert small_top_k.applies(x, check_controls(None, 1024, None, None, 2, 1025, x.device), 0)
     assert not small_top_k.applies(x, ok, 3)  # top_logprobs
     assert not small_top_k.applies(None, ok, 0)  # probabilities
+    assert small_top_k.applies(x.bfloat16(), ok, 0) and small_top_k.applies(x.half(), ok, 0)
     assert not small_top_k.applies(x.double(), ok, 0)
     assert not small_top_k.applies(x[:, :255], ok, 0)  # shorter than a block
     for changed in (

@@ -21,7 +21,7 @@ set is ``{i : w_i >= max(cut_k, cut_p, cut_min)}`` and every cut is exact on tho
 (:mod:`fastsample.select`); logits that round to the same weight are ties. ``-inf`` logits
 (grammar or bad-word masks) get weight 0 and are never drawn.
 
-:func:`fastsample.sample` with a small Python ``top_k`` on float32 logits skips these
+:func:`fastsample.sample` with a small Python ``top_k`` on logits (not float64) skips these
 weights altogether (:mod:`fastsample.small_top_k`), with the same draws (bitwise on CPU).
 
 Controls are Python scalars (checked here; an off value skips its stage entirely) or

@@ -1,7 +1,8 @@
 """Sampling with a small Python ``top_k`` without computing the weights of the whole row.
 
 When ``top_k`` is a Python int up to :data:`~fastsample.select.CANDIDATE_MAX_K` (temperature,
-top-p and min-p Python numbers or off, float32 logits, no ``top_logprobs``), every token that
+top-p and min-p Python numbers or off, float32/bfloat16/float16 logits, no
+``top_logprobs``), every token that
 can survive the cuts lies in the ``k`` blocks with the largest maxima, except ties at the k-th
 weight, which can sit anywhere in the row. So instead of the weights of every entry (~25 read
 passes of eager CPU ops), this path computes:
@@ -60,9 +61,14 @@ _SEARCH_SHIFT = 5  # 2**5 = 32-way search: 31 probes a round divide the interval
 _SEARCH_ROUNDS = 7
 
 
+# Logits the path serves: float32 and the half types, whose weights the general path
+# computes in float32 as well (float64 logits give float64 weights: the general path).
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def applies(logits: Tensor | None, controls: Controls, num_top: int) -> bool:
     """Whether :func:`draw` serves this call (otherwise the general path does)."""
-    if logits is None or logits.dtype != torch.float32 or num_top:
+    if logits is None or logits.dtype not in _DTYPES or num_top:
         return False
     batch, vocab = logits.shape
     t = controls.temperature
@@ -80,7 +86,7 @@ def applies(logits: Tensor | None, controls: Controls, num_top: int) -> bool:
 def draw(
     logits: Tensor, controls: Controls, num_samples: int, source: UniformSource
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]]:
-    """Draws from the processed distribution of float32 ``logits`` (:func:`applies` holds).
+    """Draws from the processed distribution of ``logits`` (:func:`applies` holds).
 
     Returns ``token_ids (B, n)`` (not yet clamped to ``V - 1``), ``genuine (B, n)``,
     ``total (B,)`` float64 (the kept mass), ``valid (B,)`` and ``read``, which gives the kept
@@ -92,7 +98,7 @@ def draw(
     assert isinstance(controls.top_k, int)
 
     maxima = block_maxima(logits)
-    best = maxima.amax(-1)
+    best = maxima.amax(-1).to(torch.float32)
     finite = (best > -math.inf) & (best < math.inf)
     shift = torch.where(finite, best, 0.0)[:, None]
 
@@ -106,7 +112,7 @@ def draw(
     found = candidate_entries(logits, controls.top_k, maxima)
     candidates = torch.where(found.values > -math.inf, weigh(found.values), 0.0)
     cut_k = candidates[:, -1]
-    x_low = _lowest_logit_reaching(weigh, found.values[:, -1], cut_k)
+    x_low = _lowest_logit_reaching(weigh, found.values[:, -1].float(), cut_k)
     counts = _count_at_least(logits, x_low)  # (B, blocks) float32
 
     # Entries above cut_k are all candidates; the rest of count(x >= x_low) are ties at it.
@@ -137,7 +143,8 @@ def draw(
     # above the floor), else cut. So the candidate blocks' kept weights are that tie weight
     # where x >= x_low, with the k largest written over it: no exp over the blocks.
     tie_weight = ((cut == cut_k) & (cut_k >= _CUT_FLOOR[torch.float32])).to(torch.float32)
-    kept = torch.ge(found.content, x_low[:, None], out=torch.empty_like(found.content))
+    kept = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
+    torch.ge(found.content, x_low[:, None], out=kept)
     kept.mul_(tie_weight[:, None])
     kept = kept.scatter_(1, found.positions, keep(candidates.clone()))
     kept = kept.view(batch, -1, BLOCK)
@@ -149,7 +156,7 @@ def draw(
     table = (counts * tie_weight[:, None]).scatter_(1, found.blocks, candidate_sums)
     sums = table.to(torch.float64)
 
-    shape = torch.empty((), dtype=logits.dtype, device=logits.device).expand(batch, width)
+    shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
     token_ids, genuine, total = inverse_cdf_draw(shape, num_samples, source, sums=sums, read=read)
     valid = finite & (total > 0) & (total < math.inf)
     return token_ids, genuine, total, valid, read
@@ -192,7 +199,7 @@ def _count_at_least(logits: Tensor, x_low: Tensor) -> Tensor:
     batch, vocab = logits.shape
     full = vocab // BLOCK
     rows = batch if logits.device.type != "cpu" else max(1, _PIECE_ELEMENTS // vocab)
-    scratch = torch.empty(min(rows, batch), vocab, dtype=logits.dtype, device=logits.device)
+    scratch = torch.empty(min(rows, batch), vocab, dtype=torch.float32, device=logits.device)
     pieces = []
     for piece, low in zip(logits.split(rows), x_low[:, None].split(rows), strict=True):
         hits = torch.ge(piece, low, out=scratch[: piece.shape[0]])
