@@ -1,11 +1,10 @@
 """Sampling with a small Python ``top_k`` without computing the weights of the whole row.
 
 When ``top_k`` is a Python int up to :data:`~fastsample.select.CANDIDATE_MAX_K` (temperature,
-top-p and min-p Python numbers or off, float32/bfloat16/float16 logits, no
-``top_logprobs``), every token that
-can survive the cuts lies in the ``k`` blocks with the largest maxima, except ties at the k-th
-weight, which can sit anywhere in the row. So instead of the weights of every entry (~25 read
-passes of eager CPU ops), this path computes:
+top-p and min-p Python numbers or off, float32/bfloat16/float16 logits, no ``top_logprobs``),
+every token that can survive the cuts lies in the ``k`` blocks with the largest maxima, except
+ties at the k-th weight, which can sit anywhere in the row. So instead of the weights of every
+entry (~25 read passes of eager CPU ops), this path computes:
 
 1. the block maxima of the logits (one read pass), the ``k`` largest logits from the ``k``
    best blocks (:func:`fastsample.select.candidate_entries`), their weights and ``cut_k``,
@@ -14,10 +13,12 @@ passes of eager CPU ops), this path computes:
    over the ordered bit patterns (7 rounds of ``(B, 33)`` ops). The weight map
    ``x -> exp((x - max) / T)`` is monotone, so ``w >= cut_k`` iff ``x >= x_low``;
 3. one counting pass over the logits: per block, how many are ``>= x_low``. Outside the
-   candidate blocks those are exactly the ties at ``cut_k``; top-p's mass needs their number;
+   candidate blocks those are exactly the ties at ``cut_k``; top-p's mass needs their number
+   (this pass is the price of exactness: integer or bfloat16-rounded logits tie often);
 4. the cuts of :mod:`fastsample.controls` (the same functions on the same numbers) and the
-   block sums of the kept weights: each candidate block summed from its own entries, every
-   other block its tie count times the ties' scaled weight (exactly 1, or 0 if cut);
+   block sums of the kept weights: each candidate block summed from its own entries (the k
+   largest and its ties, no ``exp``), every other block its tie count times the ties' scaled
+   weight (exactly 1, or 0 if cut);
 5. the blocked inverse CDF over that table, reading a chosen block's weights from its logits.
 
 Every number is computed by the same float operations as the general path
