@@ -69,13 +69,13 @@ def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab, dtype, 
     configs = itertools.product((1, 7, 40, 300), (None, 0.7, 1e6), (None, 0.9), (None, 0.05))
     checked = 0
     for (k, t, p, m), n in itertools.product(configs, (1, 2)):
-        controls = dict(temperature=t, top_k=k, top_p=p, min_p=m, num_samples=n)
+        controls = dict(temperature=t, top_k=k, top_p=p, min_p=m, num_samples=n, top_logprobs=n + 1)
         checked_controls = check_controls(t, k, p, m, *x.shape, x.device)
-        if not small_top_k.applies(x, checked_controls, 0):
+        if not small_top_k.applies(x, checked_controls):
             continue
         checked += 1
         fast, general = draw_both(monkeypatch, x, seed=seeds, step=11, **controls)
-        for name in ("token_ids", "probs", "logprobs", "valid"):
+        for name in ("token_ids", "probs", "logprobs", "valid", "top_token_ids", "top_logprobs"):
             assert torch.equal(getattr(fast, name), getattr(general, name)), (name, controls)
         assert not fast.valid[6:].any()  # the NaN and +inf rows
     assert checked == sum(k < vocab for k in (1, 7, 40, 300)) * 12 * 2
@@ -84,13 +84,12 @@ def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab, dtype, 
 def test_applies_only_to_what_it_reproduces():
     x = torch.randn(2, 1000)
     ok = check_controls(0.7, 50, 0.9, 0.05, 2, 1000, x.device)
-    assert small_top_k.applies(x, ok, 0)
-    assert small_top_k.applies(x, check_controls(None, 1024, None, None, 2, 1025, x.device), 0)
-    assert not small_top_k.applies(x, ok, 3)  # top_logprobs
-    assert not small_top_k.applies(None, ok, 0)  # probabilities
-    assert small_top_k.applies(x.bfloat16(), ok, 0) and small_top_k.applies(x.half(), ok, 0)
-    assert not small_top_k.applies(x.double(), ok, 0)
-    assert not small_top_k.applies(x[:, :255], ok, 0)  # shorter than a block
+    assert small_top_k.applies(x, ok)
+    assert small_top_k.applies(x, check_controls(None, 1024, None, None, 2, 1025, x.device))
+    assert not small_top_k.applies(None, ok)  # probabilities
+    assert small_top_k.applies(x.bfloat16(), ok) and small_top_k.applies(x.half(), ok)
+    assert not small_top_k.applies(x.double(), ok)
+    assert not small_top_k.applies(x[:, :255], ok)  # shorter than a block
     for changed in (
         dict(temperature=0.0),
         dict(temperature=torch.full((2,), 0.7)),
@@ -101,9 +100,9 @@ def test_applies_only_to_what_it_reproduces():
     ):
         args = dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05) | changed
         controls = check_controls(*args.values(), 2, 1000, x.device)
-        assert not small_top_k.applies(x, controls, 0), changed
+        assert not small_top_k.applies(x, controls), changed
     big = torch.randn(1, 3000)
-    assert not small_top_k.applies(big, check_controls(None, 1025, None, None, 1, 3000, "cpu"), 0)
+    assert not small_top_k.applies(big, check_controls(None, 1025, None, None, 1, 3000, "cpu"))
 
 
 # ----------------------------------------------------------------------------- exactness

@@ -350,12 +350,16 @@ def sample(
 
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
         return _all_greedy(source_tensor, logits is not None, num_samples)
-    if small_top_k.applies(logits, controls, num_top):  # the k best blocks and one count
+    if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
-        token_ids, genuine, total, valid, read = small_top_k.draw(
-            logits, controls, num_samples, source
-        )
-        return _finish(logits, token_ids.clamp_max_(vocab - 1), genuine, total, valid, read)
+        got = small_top_k.draw(logits, controls, num_samples, source)
+        token_ids = got.token_ids.clamp_max_(vocab - 1)
+        out = _finish(logits, token_ids, got.genuine, got.total, got.valid, got.read)
+        if num_top:
+            out = _with_top_logprobs(
+                out, logits, num_top, got.maxima, got.read, got.total, got.valid
+            )
+        return out
     processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
     if controls.all_greedy:  # nothing random: skip the draw
         token_ids, genuine = _greedy_draws(
@@ -382,7 +386,16 @@ def sample(
             logprobs=torch.where(point, 0.0, out.logprobs).to(out.logprobs.dtype),  # type: ignore[arg-type]
         )
     if num_top:
-        out = _with_top_logprobs(out, source_tensor, processed, num_top)
+        out = _with_top_logprobs(
+            out,
+            source_tensor,
+            num_top,
+            processed.maxima,
+            lambda ids: processed.weights.gather(1, ids),
+            processed.total,
+            processed.valid,
+            processed.greedy,
+        )
     return out
 
 
@@ -418,19 +431,27 @@ def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutp
 
 
 def _with_top_logprobs(
-    out: SampleOutput, source: Tensor, processed: Processed, num_top: int
+    out: SampleOutput,
+    source: Tensor,
+    num_top: int,
+    maxima: Tensor | None,
+    weights_at: Callable[[Tensor], Tensor],
+    total: Tensor,
+    valid: Tensor,
+    greedy: Tensor | None = None,
 ) -> SampleOutput:
     """Attach the ``num_top`` most likely tokens and their processed log-probabilities.
 
     The kept set is an upper set of the weights, which order like the input values, so the
     most likely tokens are the largest inputs: one candidate-block pass, no log_softmax.
+    ``weights_at(ids)`` gives the kept weights (normalized by ``total``) at ``ids``.
     """
-    _, top_ids = top_entries(source, num_top, processed.maxima)
-    kept = processed.weights.gather(1, top_ids).to(torch.float64)
-    logprobs = kept.log() - processed.total.log()[:, None]
-    if processed.greedy is not None:  # a point mass on the first (greedy) token
+    _, top_ids = top_entries(source, num_top, maxima)
+    kept = weights_at(top_ids).to(torch.float64)
+    logprobs = kept.log() - total.log()[:, None]
+    if greedy is not None:  # a point mass on the first (greedy) token
         rank = torch.arange(num_top, device=source.device)
         point = torch.where(rank == 0, 0.0, -math.inf).to(torch.float64)
-        logprobs = torch.where(processed.greedy[:, None], point, logprobs)
-    logprobs = torch.where(processed.valid[:, None], logprobs, -math.inf)
+        logprobs = torch.where(greedy[:, None], point, logprobs)
+    logprobs = torch.where(valid[:, None], logprobs, -math.inf)
     return out._replace(top_token_ids=top_ids, top_logprobs=logprobs.to(out.probs.dtype))

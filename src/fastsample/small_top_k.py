@@ -1,7 +1,7 @@
 """Sampling with a small Python ``top_k`` without computing the weights of the whole row.
 
 When ``top_k`` is a Python int up to :data:`~fastsample.select.CANDIDATE_MAX_K` (temperature,
-top-p and min-p Python numbers or off, float32/bfloat16/float16 logits, no ``top_logprobs``),
+top-p and min-p Python numbers or off, float32/bfloat16/float16 logits),
 every token that can survive the cuts lies in the ``k`` blocks with the largest maxima, except
 ties at the k-th weight, which can sit anywhere in the row. So instead of the weights of every
 entry (~25 read passes of eager CPU ops), this path computes:
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -67,9 +68,20 @@ _SEARCH_ROUNDS = 7
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def applies(logits: Tensor | None, controls: Controls, num_top: int) -> bool:
+class Drawn(NamedTuple):
+    """What :func:`draw` returns: the general path's draw and the means to finish it."""
+
+    token_ids: Tensor  # (B, n) int64, not yet clamped to V - 1
+    genuine: Tensor  # (B, n) bool
+    total: Tensor  # (B,) float64, the kept mass
+    valid: Tensor  # (B,) bool
+    read: Callable[[Tensor], Tensor]  # kept (scaled) weights at (B, c) columns
+    maxima: Tensor  # (B, blocks) block maxima of the logits (for top_logprobs)
+
+
+def applies(logits: Tensor | None, controls: Controls) -> bool:
     """Whether :func:`draw` serves this call (otherwise the general path does)."""
-    if logits is None or logits.dtype not in _DTYPES or num_top:
+    if logits is None or logits.dtype not in _DTYPES:
         return False
     batch, vocab = logits.shape
     t = controls.temperature
@@ -84,14 +96,11 @@ def applies(logits: Tensor | None, controls: Controls, num_top: int) -> bool:
     )
 
 
-def draw(
-    logits: Tensor, controls: Controls, num_samples: int, source: UniformSource
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]]:
+def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSource) -> Drawn:
     """Draws from the processed distribution of ``logits`` (:func:`applies` holds).
 
-    Returns ``token_ids (B, n)`` (not yet clamped to ``V - 1``), ``genuine (B, n)``,
-    ``total (B,)`` float64 (the kept mass), ``valid (B,)`` and ``read``, which gives the kept
-    (scaled) weight at any ``(B, c)`` columns, as the general path's weight buffer would.
+    ``read`` in the result gives the kept (scaled) weight at any ``(B, c)`` columns, as the
+    general path's weight buffer would hold it.
     """
     batch, vocab = logits.shape
     width = vocab + vocab % 2  # the general path's even-width weight buffer
@@ -160,7 +169,7 @@ def draw(
     shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
     token_ids, genuine, total = inverse_cdf_draw(shape, num_samples, source, sums=sums, read=read)
     valid = finite & (total > 0) & (total < math.inf)
-    return token_ids, genuine, total, valid, read
+    return Drawn(token_ids, genuine, total, valid, read, maxima)
 
 
 def _order_key(bits: Tensor) -> Tensor:
