@@ -70,16 +70,22 @@ def test_threshold_keeps_ties_and_survives_garbage():
     assert got.shape == (2,)  # the garbage row gives some value, never an error
 
 
-def test_top_entries_orders_ties_by_index_across_blocks():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_top_entries_orders_ties_by_index_across_blocks(dtype):
     gen = torch.Generator().manual_seed(3)
-    values = torch.randint(0, 5, (4, 2000), generator=gen).float()
+    values = torch.randint(0, 5, (6, 2000), generator=gen).float()
     values[1, ::3] = -math.inf
     values[2] = 7.0  # every entry tied
+    values[4] -= 4.0  # negative values
+    values[5] = torch.where(torch.rand(2000, generator=gen) < 0.5, -0.0, 0.0)  # equal zeros
+    values = values.to(dtype)
     got_values, got_ids = top_entries(values, 300)
-    for r in range(4):
-        order = np.lexsort((np.arange(2000), -values[r].numpy()))[:300]
+    for r in range(6):
+        row = values[r].double().numpy()
+        order = np.lexsort((np.arange(2000), -row))[:300]
         assert got_ids[r].tolist() == order.tolist()
         assert torch.equal(got_values[r], values[r, order])
+    values = values.float()
     large_values, large_ids = largest_entries(values, 300)
     assert torch.equal(large_values, got_values)  # same multiset of values, sorted
     assert torch.equal(values.gather(1, large_ids), large_values)

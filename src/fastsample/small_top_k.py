@@ -49,12 +49,12 @@ from .controls import (
 from .inverse_cdf import BLOCK, inverse_cdf_draw
 from .noise import UniformSource
 from .seeds import _small_op_mode
-from .select import CANDIDATE_MAX_K, block_maxima, candidate_entries
+from .select import CANDIDATE_MAX_K, block_maxima, candidate_entries, order_key
 
 # The counting pass works on pieces of this many logits (1 MiB of float32): its scratch stays
 # in cache, so the pass costs little more than reading the logits.
 _PIECE_ELEMENTS = 1 << 18
-# Bit patterns of float32 keyed so that integer order is float order (see _order_key).
+# Bit patterns of float32 keyed so that integer order is float order (see select.order_key).
 _NEG_INF_KEY = -2139095041  # the key of -inf
 _SEARCH_SHIFT = 5  # 2**5 = 32-way search: 31 probes a round divide the interval by 32
 # Keys of -inf .. +inf span < 2**32; a round leaves at most ceil(span / 32) of them:
@@ -172,12 +172,6 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     return Drawn(token_ids, genuine, total, valid, read, maxima)
 
 
-def _order_key(bits: Tensor) -> Tensor:
-    """float32 bit patterns (int64, sign-extended) <-> integers in float order (involution):
-    negative patterns order backwards, so their magnitude bits are flipped."""
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
 def _lowest_logit_reaching(weigh: Callable[[Tensor], Tensor], x_k: Tensor, cut_k: Tensor) -> Tensor:
     """``(B,)`` smallest float32 ``x`` with ``weigh(x) >= cut_k``; ``weigh(x_k) == cut_k``.
 
@@ -186,17 +180,17 @@ def _lowest_logit_reaching(weigh: Callable[[Tensor], Tensor], x_k: Tensor, cut_k
     Rows with ``cut_k == 0`` or NaN get an arbitrary value (their ties weigh nothing).
     """
     with _small_op_mode():  # ~120 ops on (B, 33) tensors: per-op overhead is the cost
-        hi = _order_key(x_k.view(torch.int32).to(torch.int64))[:, None]
+        hi = order_key(x_k.view(torch.int32).to(torch.int64))[:, None]
         lo = torch.full_like(hi, _NEG_INF_KEY)
         steps = torch.arange((1 << _SEARCH_SHIFT) + 1, device=x_k.device)
         cut = cut_k[:, None]
         for _ in range(_SEARCH_ROUNDS):
             table = ((hi - lo) * steps).bitwise_right_shift_(_SEARCH_SHIFT).add_(lo)
-            probes = _order_key(table[:, 1:-1]).to(torch.int32).view(torch.float32)
+            probes = order_key(table[:, 1:-1]).to(torch.int32).view(torch.float32)
             # The weight is monotone, so the probes below the cut are a prefix.
             below = (weigh(probes) < cut).sum(-1, keepdim=True)
             lo, hi = table.gather(1, below), table.gather(1, below.add_(1))
-        low = _order_key(hi).to(torch.int32).view(torch.float32).squeeze(1)
+        low = order_key(hi).to(torch.int32).view(torch.float32).squeeze(1)
     return low.clone()  # an ordinary tensor again
 
 
