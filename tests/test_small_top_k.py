@@ -176,14 +176,17 @@ def test_compiles_fullgraph_and_matches_eager():
     seeds = torch.arange(6)
     torch._dynamo.reset()
 
+    controls = dict(temperature=0.7, top_k=20, top_p=0.9, num_samples=2, top_logprobs=3)
+
     @torch.compile(fullgraph=True)
     def step(logits, s):
-        out = fs.sample(logits, temperature=0.7, top_k=20, top_p=0.9, seed=s, num_samples=2)
-        return out.token_ids, out.probs
+        out = fs.sample(logits, seed=s, **controls)
+        return out.token_ids, out.probs, out.top_token_ids
 
-    ids, probs = step(x, seeds)
-    eager = fs.sample(x, temperature=0.7, top_k=20, top_p=0.9, seed=seeds, num_samples=2)
+    ids, probs, top_ids = step(x, seeds)
+    eager = fs.sample(x, seed=seeds, **controls)
     assert torch.equal(ids, eager.token_ids)
+    assert torch.equal(top_ids, eager.top_token_ids)
     torch.testing.assert_close(probs, eager.probs)
 
 
