@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import fastsample.select as select_module
 from fastsample.select import (
     _bisect_threshold,
     descending_threshold,
@@ -36,11 +37,15 @@ def reference_threshold(row: np.ndarray, target: float, by: str) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("by", ["count", "mass"])
-@pytest.mark.parametrize("method", ["radix", "bisect"])
-def test_threshold_matches_sorting(dtype, by, method):
+@pytest.mark.parametrize("method", ["radix", "radix_wide_chunked", "bisect"])
+def test_threshold_matches_sorting(dtype, by, method, monkeypatch):
     values = rows(dtype, 1000, seed=1)
     gen = np.random.default_rng(2)
-    select = descending_threshold if method == "radix" else _bisect_threshold
+    select = _bisect_threshold if method == "bisect" else descending_threshold
+    if method == "radix_wide_chunked":
+        # The 16-bit digits of long rows, and one row per chunk (5 rows: every chunk path).
+        monkeypatch.setattr(select_module, "_WIDE_FROM", 2)
+        monkeypatch.setattr(select_module, "_CHUNK_BYTES", 1)
     for _ in range(5):
         if by == "count":
             target = torch.tensor(gen.integers(1, 1001, size=5), dtype=torch.float64)
@@ -61,13 +66,41 @@ def _near_boundary(row: np.ndarray, target: torch.Tensor) -> bool:
     return bool(np.min(np.abs(np.cumsum(ranked) - float(target))) < 1e-6 * ranked.sum())
 
 
-def test_threshold_keeps_ties_and_survives_garbage():
+def test_wide_digits_on_a_long_row_match_sorting():
+    """Rows of at least 32,768 entries take the two 16-bit rounds, in chunks of rows."""
+    assert select_module._WIDE_FROM <= 40_000
+    gen = torch.Generator().manual_seed(3)
+    values = torch.rand(3, 40_000, generator=gen) ** 8  # many entries per top bucket
+    values[1, ::7] = 0.25  # ties across the row, exactly at a bucket edge
+    values[2] = torch.randint(0, 50, (40_000,), generator=gen) / 64.0
+    for by, fraction in (("count", 0.01), ("count", 0.6), ("mass", 0.5), ("mass", 0.97)):
+        total = 40_000.0 if by == "count" else values.double().sum(-1)
+        target = torch.full((3,), fraction, dtype=torch.float64) * total
+        got = descending_threshold(values, target, by)
+        for r in range(3):
+            row = values[r].double().numpy()
+            want = reference_threshold(row, float(target[r]), by)
+            assert float(got[r]) == want or (by == "mass" and _near_boundary(row, target[r]))
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_threshold_keeps_ties_and_survives_garbage(wide, monkeypatch):
+    if wide:
+        monkeypatch.setattr(select_module, "_WIDE_FROM", 2)
     values = torch.tensor(
-        [[0.5, 0.25, 0.5, 0.5, 0.125, 0.0], [math.nan, 1.0, -2.0, math.inf, 0, 1]]
+        [
+            [0.5, 0.25, 0.5, 0.5, 0.125, 0.0],
+            [math.nan, 1.0, -2.0, math.inf, 0, 1],
+            [1.0, -3.0, -math.nan, -math.inf, -0.0, 2.0],  # negative patterns, odd and even
+        ]
     )
-    got = descending_threshold(values, torch.tensor([2.0, 2.0], dtype=torch.float64), "count")
-    assert got[0] == 0.5  # the 2nd largest is 0.5, and all three 0.5s are >= it
-    assert got.shape == (2,)  # the garbage row gives some value, never an error
+    for dtype in (torch.float32, torch.float64):
+        # Row 0: the 2nd largest is 0.5 (all three 0.5s are >= it); the three reach mass 1.2.
+        for by, amount in (("count", 2.0), ("mass", 1.2)):
+            target = torch.full((3,), amount, dtype=torch.float64)
+            got = descending_threshold(values.to(dtype), target, by)
+            assert got.shape == (3,)  # the garbage rows give some value, never an error
+            assert got[0] == 0.5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -13,15 +13,22 @@ only need a few numbers per row.
 
 **Radix selection** (:func:`descending_threshold`). Non-negative IEEE floats order like their
 bit patterns read as integers, so the threshold is found digit by digit: round 1 histograms
-(``scatter_add``) the top 11 bits of every weight's pattern, a suffix sum over the 2,048
+(``scatter_add``) the top 16 bits of every weight's pattern, a suffix sum over the 65,536
 buckets (two levels of 64) finds the bucket where the count or mass from the top crosses
-``target``; the next rounds histogram the next 10 bits of the weights inside the chosen
-bucket only (everything else lands in dump buckets). Three rounds for float32, six for
-float64: a fixed number of full-shape ops, no host sync, no data-dependent shape, and the
-result is an exact bit pattern, so ties are handled for free. The tables stay small
-(``B x ~2k``), so large batches cost no more memory per row than the weights do. Weights
-are read as int64 pairs (two float32 patterns per word) because int32 -> int64 conversion
-costs more than the shifts.
+``target``; the next rounds histogram the next bits of the weights inside the chosen bucket
+only (everything else lands in dump buckets). Two rounds for float32 (16 + 15 bits), four for
+float64; rows shorter than 32,768 take three (float64: six) rounds of 10-11 bits. A fixed
+number of full-shape ops, no host sync, no data-dependent shape, and the
+result is an exact bit pattern, so ties are handled for free. Weights are read as int64 pairs
+(two float32 patterns per word) because int32 -> int64 conversion costs more than the shifts.
+
+Why it is shaped this way (CPU, measured in ``docs/cpu-primitive-costs.md``): the
+``scatter_add`` is the floor (~0.75 ns per entry), so few wide rounds beat many narrow ones
+(16 + 15 bits: 2 scatters per entry instead of 3); the entries outside the chosen bucket go to
+64 dump buckets picked by column, because piling them on one bucket serialises the adds (3x
+slower); and rows are processed in chunks whose keys fit in ~1 MiB, so the scratch stays in
+cache and is reused instead of being a fresh 32 MB block whose page faults cost as much as the
+work.
 
 Masses are accumulated in float32 buckets and combined in float64, so a top-p decision can
 differ from an exact one only when ``target`` lies within float32 rounding (~1e-7
@@ -43,30 +50,17 @@ from torch import Tensor
 from .inverse_cdf import BLOCK
 
 # Digit widths per round (bits), most significant first; they cover every non-negative
-# pattern (31 bits for float32, 63 for float64).
-_ROUNDS = {torch.float32: (11, 10, 10), torch.float64: (11, 11, 11, 10, 10, 10)}
+# pattern (31 bits for float32, 63 for float64). Wide digits mean fewer passes but a table of
+# 2**16 buckets per row, so they are for long rows only: a short row (a small vocabulary,
+# often with a huge batch in tests and self-checks) would spend more on the table than on
+# its entries.
+_ROUNDS = {torch.float32: (16, 15), torch.float64: (16, 16, 16, 15)}
+_SHORT_ROW_ROUNDS = {torch.float32: (11, 10, 10), torch.float64: (11, 11, 11, 10, 10, 10)}
+_WIDE_FROM = 1 << 15  # row length from which the wide digits are used
+# Rows per chunk of the radix rounds on CPU: as many as keep one chunk's int64 keys near this.
+_CHUNK_BYTES = 1 << 20
 _GROUP = 64  # buckets per group of the two-level suffix search
 _TOP_GROUP = 32  # entries per group in the second level of candidate_entries
-
-
-def _pattern_words(values: Tensor) -> list[Tensor]:
-    """int64 words whose top ``dtype`` bits are the entries' bit patterns, in the order of
-    :func:`_entries`.
-
-    float64: the int64 view itself. float32: the int64 view of entry pairs: the odd entry
-    is the high half, the even entry becomes the high half of ``word << 32``. Shifting
-    right is then sign-extending, which only matters for garbage (NaN, negative) patterns:
-    those are clamped into dump buckets.
-    """
-    words = values.view(torch.int64)
-    return [words] if values.dtype == torch.float64 else [words, words << 32]
-
-
-def _entries(values: Tensor) -> list[Tensor]:
-    """The entries in the order of :func:`_pattern_words` (contiguous, for a fast scatter)."""
-    if values.dtype == torch.float64:
-        return [values]
-    return [values[:, 1::2].contiguous(), values[:, 0::2].contiguous()]
 
 
 def _descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
@@ -115,28 +109,34 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     if torch.compiler.is_compiling():
         return _bisect_threshold(values, target, by)
     batch, device, dtype = values.shape[0], values.device, values.dtype
-    words = _pattern_words(values)
-    if by == "count":
-        entries = [torch.ones((), dtype=dtype, device=device).expand(w.shape) for w in words]
-    else:
-        entries = _entries(values)
-    keys = torch.empty_like(words[0])  # one buffer for every piece and round
+    words = values.view(torch.int64)
+    # Rows per chunk: one chunk on accelerators (fewer launches), cache-sized on CPU.
+    rows = batch if device.type != "cpu" else max(1, _CHUNK_BYTES // (8 * words.shape[1]))
+    keys = torch.empty(min(rows, batch), words.shape[1], dtype=torch.int64, device=device)
+    # Entries outside the chosen bucket are clamped up to this (0..63, by column): the dump
+    # buckets, spread so that no single bucket takes most of the adds.
+    dump = (torch.arange(words.shape[1], device=device) & (_GROUP - 1))[None, :]
+    digits = (_ROUNDS if values.shape[1] >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
+    table = torch.empty(batch, (1 << max(digits)) + 2 * _GROUP, dtype=dtype, device=device)
     prefix = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     above = torch.zeros(batch, dtype=torch.float64, device=device)
-    rounds = _ROUNDS[dtype]
-    remaining = sum(rounds)
-    for width in rounds:
+    remaining = sum(digits)
+    for round_index, width in enumerate(digits):
         remaining -= width
-        # Keys of the patterns sharing the prefix chosen so far land in groups 1..2**width/64;
-        # the others are clamped into group 0 (below) or the last group (above, garbage).
-        base = (prefix << width) - _GROUP
+        # Keys of the patterns sharing the prefix chosen so far land in buckets
+        # 64..64 + 2**width - 1; smaller patterns in the dump buckets below, larger ones
+        # (and garbage: NaN, negative) in the last group. Round 1 shares one prefix (0).
         top = (1 << width) + 2 * _GROUP - 1
-        hist = torch.zeros(batch, top + 1, dtype=dtype, device=device)
-        shift = remaining + (32 if dtype == torch.float32 else 0)
-        for word, entry in zip(words, entries, strict=True):
-            torch.bitwise_right_shift(word, shift, out=keys)
-            keys.sub_(base).clamp_(0, top)
-            hist.scatter_add_(1, keys, entry)
+        hist = table[:, : top + 1].zero_()
+        base = (prefix << width) - _GROUP
+        for start in range(0, batch, rows):
+            stop = min(start + rows, batch)
+            chunk = (values[start:stop], words[start:stop], keys[: stop - start])
+            if round_index == 0:  # every key is a digit: a mask replaces sub + clamp
+                real = hist[start:stop, _GROUP:-_GROUP]
+                _add_digits(real, *chunk, None, remaining, (1 << width) - 1, None, by)
+            else:
+                _add_digits(hist[start:stop], *chunk, base[start:stop], remaining, top, dump, by)
         hist[:, :_GROUP] = 0
         hist[:, -_GROUP:] = 0
         digit, above = _descend(hist, target, above)
@@ -145,6 +145,49 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     if dtype == torch.float64:
         return prefix.view(torch.float64)
     return prefix.to(torch.int32).view(torch.float32)
+
+
+def _add_digits(
+    hist: Tensor,
+    values: Tensor,
+    words: Tensor,
+    keys: Tensor,
+    base: Tensor | None,
+    shift: int,
+    top: int,
+    dump: Tensor | None,
+    by: str,
+) -> None:
+    """Add one chunk of rows to ``hist``: each entry's count or mass to the bucket
+    ``(pattern >> shift) - base`` clamped into ``[dump, top]`` (``keys`` is scratch); with
+    ``base`` None (round 1), to ``(pattern >> shift) & top`` (``top = 2**width - 1``):
+    garbage (NaN, negative) patterns then land in some bucket, which only garbage rows see.
+
+    float32 patterns come in pairs per int64 word: the odd entry is the high half
+    (``word >> 32``, sign-extending garbage below every bucket), the even entry the low half
+    (``word & 0xFFFFFFFF``: a set sign bit lands above every bucket).
+    """
+    if values.dtype == torch.float64:
+        pieces = [(values, 0)]
+    else:
+        pieces = [(values[:, 1::2], 32), (values[:, 0::2], -1)]
+    top_key = torch.tensor(top, dtype=torch.int64, device=keys.device)
+    for entries, half in pieces:
+        mask = top if base is None else 0xFFFFFFFF >> shift  # a digit; an even entry's half
+        if half >= 0:  # float64 or the odd float32 entry: a shift
+            torch.bitwise_right_shift(words, shift + half, out=keys)
+            if base is None:
+                keys.bitwise_and_(mask)
+        elif shift:
+            torch.bitwise_right_shift(words, shift, out=keys).bitwise_and_(mask)
+        else:
+            torch.bitwise_and(words, mask, out=keys)
+        if base is not None:
+            keys.sub_(base)
+            torch.clamp(keys, dump, top_key, out=keys)
+        if by == "count":
+            entries = torch.ones((), dtype=values.dtype, device=keys.device).expand(keys.shape)
+        hist.scatter_add_(1, keys, entries)
 
 
 def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
