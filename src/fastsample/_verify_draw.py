@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._pieces import row_pieces as pieces_of_rows
 from .inverse_cdf import BLOCK, block_sums
 
 # CPU rows are gathered and reduced this many elements at a time (8 MiB of float32): the
@@ -45,10 +46,7 @@ def work_dtype(*tensors: Tensor | None) -> torch.dtype:
 
 def row_pieces(batch: int, vocab: int, device: torch.device) -> list[slice]:
     """Static row ranges to process together: the whole batch off CPU, cache-sized on CPU."""
-    if device.type != "cpu":
-        return [slice(0, batch)]
-    rows = max(1, PIECE_ELEMENTS // max(vocab, 1))
-    return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
+    return pieces_of_rows(batch, vocab, device, PIECE_ELEMENTS)
 
 
 class Weights(NamedTuple):

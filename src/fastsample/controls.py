@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as v
+from ._pieces import piece_rows
 from .inverse_cdf import block_sums
 from .select import (
     CANDIDATE_MAX_K,
@@ -324,6 +325,25 @@ def keep_at_least(weights: Tensor, cut: Tensor, out: Tensor | None = None) -> tu
     return torch.nn.functional.threshold_(scaled, _BELOW_ONE[weights.dtype], 0.0), scale
 
 
+# The survivors' mass is taken a few rows at a time through a scratch of this many elements
+# (8 MiB of float32): a (B, V) temporary was a fresh, page-faulted block every call (~5 ms
+# of a ~6 ms pass at B=64, V=128256).
+_MASS_PIECE_ELEMENTS = 1 << 21
+
+
+def _kept_mass(weights: Tensor, cut: Tensor) -> Tensor:
+    """``(B,)`` float64 mass of the entries ``>= cut`` per row: the block sums of
+    :func:`keep_at_least`, times its scale (the same numbers as on the whole batch)."""
+    batch, width = weights.shape
+    rows = piece_rows(batch, width, weights.device, _MASS_PIECE_ELEMENTS)
+    scratch = torch.empty(min(rows, batch), width, dtype=weights.dtype, device=weights.device)
+    masses = []
+    for piece, piece_cut in zip(weights.split(rows), cut.split(rows), strict=True):
+        kept, scale = keep_at_least(piece, piece_cut, out=scratch[: piece.shape[0]])
+        masses.append(block_sums(kept).sum(-1) * scale.to(torch.float64))
+    return masses[0] if len(masses) == 1 else torch.cat(masses)
+
+
 def _cuts(
     weights: Tensor, peak: Tensor, controls: Controls, order: Tensor, maxima: Tensor | None
 ) -> Tensor | None:
@@ -360,9 +380,7 @@ def _cuts(
             strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
             mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
         else:
-            survivors, scale = keep_at_least(weights, cut)
-            mass = block_sums(survivors).sum(-1) * scale.to(torch.float64)
-            del survivors
+            mass = _kept_mass(weights, cut)
         if candidates is not None and isinstance(controls.top_p, float):
             assert cut is not None
             cut_p = _top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)

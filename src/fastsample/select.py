@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._pieces import piece_rows
 from .inverse_cdf import BLOCK
 
 # Digit widths per round (bits), most significant first; they cover every non-negative
@@ -110,8 +111,7 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
         return _bisect_threshold(values, target, by)
     batch, device, dtype = values.shape[0], values.device, values.dtype
     words = values.view(torch.int64)
-    # Rows per chunk: one chunk on accelerators (fewer launches), cache-sized on CPU.
-    rows = batch if device.type != "cpu" else max(1, _CHUNK_BYTES // (8 * words.shape[1]))
+    rows = piece_rows(batch, words.shape[1], device, _CHUNK_BYTES // 8)  # int64 keys
     keys = torch.empty(min(rows, batch), words.shape[1], dtype=torch.int64, device=device)
     # Entries outside the chosen bucket are clamped up to this (0..63, by column): the dump
     # buckets, spread so that no single bucket takes most of the adds.

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._pieces import piece_rows
 from .controls import (
     _BELOW_ONE,
     _CUT_FLOOR,
@@ -202,7 +203,7 @@ def _count_at_least(logits: Tensor, x_low: Tensor) -> Tensor:
     """
     batch, vocab = logits.shape
     full = vocab // BLOCK
-    rows = batch if logits.device.type != "cpu" else max(1, _PIECE_ELEMENTS // vocab)
+    rows = piece_rows(batch, vocab, logits.device, _PIECE_ELEMENTS)
     scratch = torch.empty(min(rows, batch), vocab, dtype=torch.float32, device=logits.device)
     pieces = []
     for piece, low in zip(logits.split(rows), x_low[:, None].split(rows), strict=True):
