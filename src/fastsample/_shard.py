@@ -284,15 +284,21 @@ def radix_histogram(
     shaped like each word, reused across rounds (no allocation per pass)."""
     batch = keys.shape[0]
     buckets = 1 << width
-    # Digit d lands in column d + 1; patterns below the prefix in column 0, above it (or
-    # garbage) in column buckets + 1: the two dump columns, left out of the result.
-    base = (prefix << width) - 1
-    hist = torch.zeros(batch, buckets + 2, dtype=dtype, device=keys.device)
+    # Digit d lands in column d + 64; patterns below the prefix in one of columns 0..63 (by
+    # column of the entry: one shared dump column serialises most adds, 3x slower), above it
+    # (or garbage) in column buckets + 64: the dump columns, left out of the result.
+    base = (prefix << width) - _DUMPS
+    dump = (torch.arange(keys.shape[1], device=keys.device) & (_DUMPS - 1))[None, :]
+    top = torch.tensor(buckets + _DUMPS, device=keys.device)
+    hist = torch.zeros(batch, buckets + _DUMPS + 1, dtype=dtype, device=keys.device)
     for word, entry in zip(words, entries, strict=True):
         torch.bitwise_right_shift(word, shift, out=keys)
-        keys.sub_(base).clamp_(0, buckets + 1)
+        torch.clamp(keys.sub_(base), dump, top, out=keys)
         hist.scatter_add_(1, keys, entry)
-    return hist[:, 1:-1].contiguous()
+    return hist[:, _DUMPS:-1].contiguous()
+
+
+_DUMPS = 64  # dump columns below the digits in radix_histogram
 
 
 _GROUP = 64  # buckets per group of the two-level search in descend
