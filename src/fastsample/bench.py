@@ -262,6 +262,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _warm_up(fn: Call, device: torch.device, seconds: float) -> None:
+    """Untimed calls of ``fn``: at least one, until ``seconds`` have passed."""
+    start = time.perf_counter()
+    fn()
+    while time.perf_counter() - start < seconds:
+        fn()
+    _sync(device)
+
+
 def _time_once(fn: Call, device: torch.device) -> float:
     """Seconds for one call, to completion on the device."""
     if device.type != "cuda":
@@ -356,13 +365,19 @@ def make_case(batch: int, vocab: int, dtype: str, device: torch.device, seed: in
 
 
 def time_interleaved(
-    calls: dict[str, Call], device: torch.device, timing: Timing
+    calls: dict[str, Call], device: torch.device, timing: Timing, warm_s: float = 0.0
 ) -> dict[str, list[float]]:
     """Time several calls round-robin: one call of each per round, until each has spent its
     budget (at least ``min_repeats``, at most ``max_repeats``). Seconds per call.
 
     Interleaving puts every contender under the same slow drifts of a shared machine (clock,
     other tenants), so the ratios between them hold better than with back-to-back blocks.
+    With ``warm_s > 0``, every timed call follows untimed calls of the same contender (at
+    least one, until ``warm_s`` seconds have passed): the steady state of a sampler called
+    step after step, its input and buffers in cache. Without them a call that follows a
+    contender sweeping hundreds of MB finds its input evicted (up to 2x slower on the 2-core
+    CPU; a 32 MB read needs two or three reads to get back to full speed), so a contender's
+    median depends on which contenders are still in the rounds.
     """
     for fn in calls.values():
         for _ in range(timing.warmup):
@@ -380,6 +395,8 @@ def time_interleaved(
     while any(wants_more(name) for name in calls):
         for name, fn in calls.items():
             if wants_more(name):
+                if warm_s > 0:
+                    _warm_up(fn, device, warm_s)
                 seconds = _time_once(fn, device)
                 times[name].append(seconds)
                 spent[name] += seconds

@@ -16,7 +16,11 @@ tensors) the same call is timed, round-robin in one process, for:
 
 Reported: the median of each, the speed-up of ``fs`` over ``hf`` and the multiple of one
 read pass over the logits (``logits.sum(-1)``). Timing as in the main benchmark
-(:func:`fastsample.bench.time_interleaved`).
+(:func:`fastsample.bench.time_interleaved`), with every timed call right after untimed
+calls of the same contender (:data:`WARM_S`): each is timed in its own steady state, as a
+sampler called step after step, whichever contender ran before it (``hf`` and
+``fs.tensor`` sweep enough memory to evict the logits, which made the others' medians depend
+on how many rounds those two stayed in).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from torch import Tensor
 
 from . import bench
 from .sampling import sample
+
+WARM_S = 0.005
+"""Untimed calls of a contender before each of its timed calls, in seconds (at least one)."""
 
 SETTINGS: dict[str, dict[str, float | int]] = {
     "T=0.7 k=50 p=0.9": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
@@ -145,7 +152,9 @@ def run_setting(name: str, logits: Tensor, timing: bench.Timing, peers: bool = T
     calls["fs.tensor"] = lambda: sample(logits, **as_tensors)
     medians = {
         contender: statistics.median(times) * 1e3
-        for contender, times in bench.time_interleaved(calls, logits.device, timing).items()
+        for contender, times in bench.time_interleaved(
+            calls, logits.device, timing, warm_s=WARM_S
+        ).items()
     }
     rows = []
     for contender, median in medians.items():
