@@ -216,3 +216,19 @@ def test_python_m_fastsample_help(argv):
     assert "bench" in done.stdout
     if argv[0] == "bench":
         assert "--quick" in done.stdout and "read pass" in done.stdout
+
+
+def test_warm_timing_precedes_each_timed_call_by_the_same_contender():
+    """With ``warm_s``, every timed call of a contender directly follows an untimed call of
+    the same contender (its steady state), whatever ran before."""
+    log: list[str] = []
+    calls = {name: (lambda name=name: log.append(name)) for name in ("a", "b")}
+    timing = bench.Timing(warmup=0, min_repeats=3, max_repeats=3, budget_s=0.0)
+    times = bench.time_interleaved(calls, torch.device("cpu"), timing, warm_s=1e-9)
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
+    # Rounds of (untimed a, timed a, untimed b, timed b): no call follows the other contender
+    # without an untimed call of its own first.
+    assert log == ["a", "a", "b", "b"] * 3
+    log.clear()
+    bench.time_interleaved(calls, torch.device("cpu"), timing)
+    assert log == ["a", "b"] * 3
