@@ -118,6 +118,26 @@ def test_capture_sample_with_per_row_controls():
         assert_law(counts, want, what=f"T={t} k={k} p={p}")
 
 
+def test_capture_tensor_controls_on_long_rows_matches_eager():
+    """Rows of >= 32,768 entries take the radix's 16-bit digits (a different code path from
+    the short rows above): captured with tensor top-k and top-p, a replay draws the tokens
+    that the same seeds and step draw eagerly."""
+    batch, vocab = 8, 40_000
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).cuda()
+    controls = dict(
+        temperature=torch.full((batch,), 0.9, device="cuda"),
+        top_k=torch.tensor([0, 50, 1000, 39_999, 5, 0, 300, 20_000], device="cuda"),
+        top_p=torch.tensor([0.9, 1.0, 0.5, 0.95, 0.9, 0.3, 0.99, 0.8], device="cuda"),
+    )
+    seed = torch.arange(batch, device="cuda")
+    step = torch.full((batch,), 7, dtype=torch.int64, device="cuda")
+    graph, out = capture(lambda x: fs.sample(x, seed=seed, step=step, **controls).token_ids, logits)
+    graph.replay()
+    eager = fs.sample(logits, seed=seed, step=step, **controls).token_ids
+    assert torch.equal(out, eager)
+
+
 def test_capture_sample_with_a_small_python_top_k():
     """The small-top_k shortcut (Python controls, float32 logits): captured once with the
     counting pass, the 64-way search and the block reads inside; replays draw fresh tokens

@@ -289,7 +289,7 @@ def radix_histogram(
     # (or garbage) in column buckets + 64: the dump columns, left out of the result.
     base = (prefix << width) - _DUMPS
     dump = (torch.arange(keys.shape[1], device=keys.device) & (_DUMPS - 1))[None, :]
-    top = torch.tensor(buckets + _DUMPS, device=keys.device)
+    top = torch.full((), buckets + _DUMPS, dtype=torch.int64, device=keys.device)  # a fill: no copy
     hist = torch.zeros(batch, buckets + _DUMPS + 1, dtype=dtype, device=keys.device)
     for word, entry in zip(words, entries, strict=True):
         torch.bitwise_right_shift(word, shift, out=keys)

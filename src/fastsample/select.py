@@ -171,7 +171,8 @@ def _add_digits(
         pieces = [(values, 0)]
     else:
         pieces = [(values[:, 1::2], 32), (values[:, 0::2], -1)]
-    top_key = torch.tensor(top, dtype=torch.int64, device=keys.device)
+    # A fill, not torch.tensor(): no host-to-device copy (CUDA graph capture forbids one).
+    top_key = torch.full((), top, dtype=torch.int64, device=keys.device)
     for entries, half in pieces:
         mask = top if base is None else 0xFFFFFFFF >> shift  # a digit; an even entry's half
         if half >= 0:  # float64 or the odd float32 entry: a shift
