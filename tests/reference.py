@@ -54,8 +54,10 @@ def reference_probs(
 def robust_top_p(weights: np.ndarray, rng: np.random.Generator) -> float:
     """A top_p halfway between two consecutive cumulative masses of distinct values, so the
     kept set does not hinge on rounding (ties stay together)."""
-    distinct = np.unique(weights[weights > 0])[::-1]
-    masses = np.array([weights[weights >= v].sum() for v in distinct]) / weights.sum()
+    ranked = np.sort(weights[weights > 0])[::-1]
+    # The mass at or above each distinct value: the running sum at its last occurrence.
+    last = np.flatnonzero(np.append(ranked[1:] != ranked[:-1], True))
+    masses = np.cumsum(ranked)[last] / weights.sum()
     # Gaps below float32 resolution of top_p and of the masses are not robust: skip them.
     usable = np.flatnonzero(np.diff(masses) > 1e-4)
     if len(usable) == 0:

@@ -96,8 +96,9 @@ def assert_matches_reference(got: torch.Tensor, want: np.ndarray, what: str) -> 
 # ----------------------------------------------------------------------------- process
 
 
-@pytest.mark.parametrize("vocab", [20, 700, 2999])
+@pytest.mark.parametrize("vocab", [20, 700, 2999, 40_000])
 def test_process_matches_reference_with_mixed_tensor_controls(vocab):
+    # 40,000: rows long enough for the radix selection's 16-bit digits (select._WIDE_FROM).
     xs, controls = make_batch(vocab, 48, seed=vocab)
     got = fs.process(torch.tensor(xs, dtype=torch.float32), **as_tensors(controls))
     assert_matches_reference(got, reference_rows(xs, controls), f"V={vocab}")
