@@ -19,7 +19,9 @@ buckets (two levels of 64) finds the bucket where the count or mass from the top
 only (everything else lands in dump buckets). Two rounds for float32 (16 + 15 bits), four for
 float64; rows shorter than 32,768 take three (float64: six) rounds of 10-11 bits. A fixed
 number of full-shape ops, no host sync, no data-dependent shape, and the
-result is an exact bit pattern, so ties are handled for free. Weights are read as int64 pairs
+result is an exact bit pattern, so ties are handled for free. Memory: one float table of
+``B x (2**16 + 128)`` (less than the weights themselves for the rows that use it) and ~1 MiB
+of keys on CPU. Weights are read as int64 pairs
 (two float32 patterns per word) because int32 -> int64 conversion costs more than the shifts.
 
 Why it is shaped this way (CPU, measured in ``docs/cpu-primitive-costs.md``): the
