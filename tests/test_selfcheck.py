@@ -56,3 +56,17 @@ def test_shortcut_check_fails_without_the_counting_pass(monkeypatch):
     assert selfcheck.check_small_top_k(CPU) is None
     monkeypatch.setattr(small_top_k, "_count_at_least", candidates_only)
     assert "top-k shortcut" in selfcheck.check_small_top_k(CPU)
+
+
+def test_long_row_check_fails_when_the_radix_skips_its_second_round(monkeypatch):
+    from fastsample import select
+
+    first_round_only = select._add_digits
+
+    def broken(hist, values, words, keys, base, *rest):
+        if base is None:  # round 1 as usual; later rounds add nothing
+            first_round_only(hist, values, words, keys, base, *rest)
+
+    assert selfcheck.check_long_rows(CPU) is None
+    monkeypatch.setattr(select, "_add_digits", broken)
+    assert "long rows" in selfcheck.check_long_rows(CPU)

@@ -9,7 +9,9 @@ is installed, with no test dependencies:
   pass means the check had the power to fail);
 * sampling controls: ``fastsample.sample`` with per-row tensor temperature, top-k, top-p
   and min-p against a reference written here with a full sort (same power check), and the
-  small Python ``top_k`` shortcut on a row whose ties at the cut fill every block;
+  small Python ``top_k`` shortcut on a row whose ties at the cut fill every block, and
+  ``fastsample.process`` on 40,000-entry rows (the code real vocabularies take) against the
+  same reference, with a power check (top-p taken before top-k must be told apart);
 * zero weights are never drawn; bad rows (NaN, inf, negative, all-zero) are flagged and
   leave the other rows bitwise unchanged;
 * batch invariance with per-request seeds;
@@ -30,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .controls import process
 from .sampling import fast_sample, sample, sample_from_probs
 from .seeds import advance_step
 
@@ -147,20 +150,33 @@ CONTROL_SETTINGS = [  # (temperature, top_k, top_p, min_p): each cut lands betwe
 ]
 
 
-def controlled_law(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
-    """The processed distribution, float64, written independently with a full sort."""
+def controlled_law(
+    logits: Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    top_p_on_all: bool = False,
+):
+    """The processed distribution, float64, written independently with a full sort.
+    ``top_p_on_all`` is the classic bug kept for power checks: the top-p mass taken over
+    every token instead of the top-k survivors."""
     x = logits.double().cpu()
     w = torch.exp((x - x.max()) / temperature)
     keep = torch.ones_like(w, dtype=torch.bool)
     if 0 < top_k < w.numel():
         keep &= w >= torch.sort(w, descending=True).values[top_k - 1]
     if top_p < 1:
-        ranked = torch.sort(torch.where(keep, w, 0.0), descending=True).values
-        reached = ranked.cumsum(0) >= top_p * ranked.sum()
-        keep &= w >= ranked[int(reached.to(torch.uint8).argmax())]
+        keep &= w >= _top_p_cut(w if top_p_on_all else torch.where(keep, w, 0.0), top_p)
     keep &= w >= min_p * w.max()
     out = torch.where(keep, w, 0.0)
     return out / out.sum()
+
+
+def _top_p_cut(weights: Tensor, top_p: float) -> Tensor:
+    ranked = torch.sort(weights, descending=True).values
+    reached = ranked.cumsum(0) >= top_p * ranked.sum()
+    return ranked[int(reached.to(torch.uint8).argmax())]
 
 
 def check_controls(device: torch.device) -> str | None:
@@ -224,6 +240,70 @@ def check_small_top_k(device: torch.device) -> str | None:
             )
         if law_holds(counts, _biased(law)):
             return f"top-k shortcut {setting}: a 2% bias was not detected (check has no power)"
+    return None
+
+
+# Real vocabularies (>= 32,768 entries) take other code than the short rows above: the radix
+# selection's 16-bit digits, row pieces. Three 40,000-entry rows (continuous, integer ties,
+# half masked) with tensor controls; process() must give the sorted reference's distribution.
+LONG_VOCAB = 40_000
+LONG_SETTINGS = [(0.7, 50, 0.9), (1.0, 0, 0.6), (1.3, 2000, 0.95)]  # T, top_k, ~top_p
+
+
+def _long_rows() -> Tensor:
+    gen = torch.Generator().manual_seed(20261201)
+    continuous = torch.randn(LONG_VOCAB, generator=gen, dtype=torch.float64) * 3
+    ties = torch.randint(-3, 4, (LONG_VOCAB,), generator=gen).double()
+    masked = torch.randn(LONG_VOCAB, generator=gen, dtype=torch.float64) * 2
+    masked[torch.rand(LONG_VOCAB, generator=gen) < 0.5] = -math.inf
+    return torch.stack([continuous, ties, masked]).float()
+
+
+def _robust_top_p(weights: Tensor, wanted: float) -> float:
+    """The midpoint of the two cumulative masses (of distinct values) around ``wanted`` whose
+    gap is widest nearby, so float32 rounding (~1e-7) cannot move the cut."""
+    ranked = torch.sort(weights[weights > 0], descending=True).values
+    last = torch.cat((ranked[1:] != ranked[:-1], torch.tensor([True])))
+    masses = (ranked.cumsum(0) / ranked.sum())[last]
+    gaps = masses[1:] - masses[:-1]
+    near = (masses[:-1] - wanted).abs() < 0.05
+    j = int(torch.where(near, gaps, -1.0).argmax())
+    return float((masses[j] + masses[j + 1]) / 2)
+
+
+def check_long_rows(device: torch.device) -> str | None:
+    """fastsample.process with tensor controls on 40,000-entry rows against the sorted
+    reference: same support, probabilities within 1e-6."""
+    rows = _long_rows()
+    settings = []
+    for row, (temperature, top_k, wanted) in zip(rows, LONG_SETTINGS, strict=True):
+        survivors = controlled_law(row, temperature, top_k, 1.0, 0.0)
+        settings.append((temperature, top_k, _robust_top_p(survivors, wanted)))
+    t, k, p = (list(column) for column in zip(*settings, strict=True))
+    got = (
+        process(
+            rows.to(device),
+            temperature=torch.tensor(t, device=device),
+            top_k=torch.tensor(k, device=device),
+            top_p=torch.tensor(p, device=device),
+        )
+        .double()
+        .cpu()
+    )
+    for r, (temperature, top_k, top_p) in enumerate(settings):
+        want = controlled_law(rows[r], temperature, top_k, top_p, 0.0)
+        setting = f"long rows, row {r}: T={temperature} k={top_k} p={top_p:.6f}"
+        kept, wanted = int((got[r] > 0).sum()), int((want > 0).sum())
+        if not torch.equal(got[r] > 0, want > 0):
+            return f"{setting}: kept {kept} tokens, the reference {wanted}"
+        error = float((got[r] - want).abs().max())
+        if error > 1e-6:
+            return f"{setting}: probabilities differ by {error:.2e}"
+    # Power: the classic bug (top-p mass taken over all tokens, not the top-k survivors).
+    temperature, top_k, top_p = settings[0]
+    wrong = controlled_law(rows[0], temperature, top_k, top_p, 0.0, top_p_on_all=True)
+    if torch.equal(got[0] > 0, wrong > 0):
+        return "long rows: top-p over all tokens gives the same support (check has no power)"
     return None
 
 
@@ -316,6 +396,7 @@ def run_checks(device: torch.device, report: Callable[[str], None]) -> int:
         checks.append((f"zero weights, {name}", lambda d=draw: check_zero_weights(d, device)))
     checks.append(("sampling controls (T, top-k, top-p, min-p)", lambda: check_controls(device)))
     checks.append(("small top-k shortcut, ties", lambda: check_small_top_k(device)))
+    checks.append(("controls on 40,000-entry rows", lambda: check_long_rows(device)))
     checks.append(("bad rows", lambda: check_bad_rows(device)))
     checks.append(("batch invariance", lambda: check_batch_invariance(device)))
     if device.type == "cuda":
