@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .controls import Controls
 from .inverse_cdf import BLOCK, block_sums
+from .select import add_digits
 
 MAX_SLOTS = 1024
 """Most values per row that one collective carries (slot sums, histogram buckets)."""
@@ -244,57 +245,52 @@ def draw_in_slot(
 # Digit widths per round for weights in [0, 1]: their bit patterns are below 2**30 (float32)
 # or 2**62 (float64), and each round's histogram stays within MAX_SLOTS buckets.
 RADIX_ROUNDS = {torch.float32: (10, 10, 10), torch.float64: (8, 9, 9, 9, 9, 9, 9)}
-
-
-def pattern_words(values: Tensor) -> tuple[list[Tensor], int]:
-    """int64 words whose top bits hold the entries' bit patterns (non-negative floats order
-    like their patterns), and the shift that brings a pattern down to bit 0.
-
-    float64: the int64 view itself (no copy). float32 (``values`` contiguous with an even
-    width): the int64 view of entry pairs holds the odd entry in its high half, and
-    ``word << 32`` the even one, so one shift by ``32 + r`` yields pattern ``>> r`` as an int64
-    index for ``scatter_add_`` without converting anything (the order of the entries is
-    that of :func:`pattern_entries`).
-    """
-    words = values.view(torch.int64)
-    if values.dtype == torch.float64:
-        return [words], 0
-    return [words, words << 32], 32
-
-
-def pattern_entries(values: Tensor) -> list[Tensor]:
-    """The entries in the order of :func:`pattern_words` (contiguous, for a fast scatter)."""
-    if values.dtype == torch.float64:
-        return [values]
-    return [values[:, 1::2].contiguous(), values[:, 0::2].contiguous()]
+# int64 keys per piece of rows on CPU (1 MiB, as in select's radix): a reused scratch in cache.
+RADIX_PIECE_ELEMENTS = 1 << 17
 
 
 def radix_histogram(
-    words: list[Tensor],
-    entries: list[Tensor],
+    values: Tensor,
     keys: Tensor,
     prefix: Tensor,
     shift: int,
     width: int,
     dtype: torch.dtype,
+    by: str,
 ) -> Tensor:
-    """``(B, 2**width)`` histogram of ``entries`` over the next ``width``-bit digit (``shift``
-    bits up) of the patterns in ``words`` that share ``prefix`` (``(B, 1)``); other patterns
-    are dropped (those above it were counted in earlier rounds). ``keys`` is a scratch buffer
-    shaped like each word, reused across rounds (no allocation per pass)."""
-    batch = keys.shape[0]
+    """``(B, 2**width)`` histogram of the counts (``by="count"``) or masses (else) of
+    ``values`` over the next ``width``-bit digit (``shift`` bits up) of the bit patterns that
+    share ``prefix`` (``(B, 1)``); other patterns are dropped (those above it were counted in
+    earlier rounds).
+
+    ``values``: ``(B, even width)`` contiguous float32 or float64; ``keys``: an int64 scratch
+    of ``(rows, values' width in int64 words)``, reused across rounds: the rows go through
+    it ``rows`` at a time (:func:`fastsample.select.add_digits`, the single-process radix's
+    histogram step).
+    """
+    batch = values.shape[0]
     buckets = 1 << width
+    words = values.view(torch.int64)
     # Digit d lands in column d + 64; patterns below the prefix in one of columns 0..63 (by
     # column of the entry: one shared dump column serialises most adds, 3x slower), above it
     # (or garbage) in column buckets + 64: the dump columns, left out of the result.
     base = (prefix << width) - _DUMPS
-    dump = (torch.arange(keys.shape[1], device=keys.device) & (_DUMPS - 1))[None, :]
-    top = torch.full((), buckets + _DUMPS, dtype=torch.int64, device=keys.device)  # a fill: no copy
-    hist = torch.zeros(batch, buckets + _DUMPS + 1, dtype=dtype, device=keys.device)
-    for word, entry in zip(words, entries, strict=True):
-        torch.bitwise_right_shift(word, shift, out=keys)
-        torch.clamp(keys.sub_(base), dump, top, out=keys)
-        hist.scatter_add_(1, keys, entry)
+    dump = (torch.arange(words.shape[1], device=values.device) & (_DUMPS - 1))[None, :]
+    hist = torch.zeros(batch, buckets + _DUMPS + 1, dtype=dtype, device=values.device)
+    rows = max(keys.shape[0], 1)
+    for start in range(0, batch, rows):
+        stop = min(start + rows, batch)
+        add_digits(
+            hist[start:stop],
+            values[start:stop],
+            words[start:stop],
+            keys[: stop - start],
+            base[start:stop],
+            shift,
+            buckets + _DUMPS,
+            dump,
+            by,
+        )
     return hist[:, _DUMPS:-1].contiguous()
 
 

@@ -84,14 +84,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _validation as v
+from ._pieces import piece_rows
 from ._shard import (
+    RADIX_PIECE_ELEMENTS,
     RADIX_ROUNDS,
     Layout,
     descend,
     draw_in_slot,
     make_layout,
-    pattern_entries,
-    pattern_words,
     radix_histogram,
     shard_weights,
     slot_sums,
@@ -467,22 +467,17 @@ def _radix_threshold(
     dtype = values.dtype
     wide = dtype == torch.float64 or layout.vocab >= 1 << 24  # float32 counts exact below 2**24
     hist_dtype = torch.float64 if wide else torch.float32
-    words, base_shift = pattern_words(values)
-    if by == "count":
-        one = torch.ones((), dtype=hist_dtype, device=values.device)
-        entries = [one.expand(w.shape) for w in words]
-    else:
-        entries = [e.to(hist_dtype) for e in pattern_entries(values)]
-    keys = torch.empty_like(words[0])
+    batch, words = values.shape[0], values.view(torch.int64).shape[1]
+    # One int64 key scratch for every round, a few rows at a time on CPU (as select's radix).
+    rows = piece_rows(batch, words, values.device, RADIX_PIECE_ELEMENTS)
+    keys = torch.empty(min(rows, batch), words, dtype=torch.int64, device=values.device)
     rounds = RADIX_ROUNDS[dtype]
     remaining = sum(rounds)
-    prefix = torch.zeros(values.shape[0], 1, dtype=torch.int64, device=values.device)
-    above = torch.zeros(values.shape[0], dtype=torch.float64, device=values.device)
+    prefix = torch.zeros(batch, 1, dtype=torch.int64, device=values.device)
+    above = torch.zeros(batch, dtype=torch.float64, device=values.device)
     for i, width in enumerate(rounds):
         remaining -= width
-        hist = radix_histogram(
-            words, entries, keys, prefix, base_shift + remaining, width, hist_dtype
-        )
+        hist = radix_histogram(values, keys, prefix, remaining, width, hist_dtype, by)
         hist = comm.all_reduce(hist, "sum")
         if i == 0 and by == "share":
             target = target * hist.sum(-1, dtype=torch.float64)

@@ -136,9 +136,9 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
             chunk = (values[start:stop], words[start:stop], keys[: stop - start])
             if round_index == 0:  # every key is a digit: a mask replaces sub + clamp
                 real = hist[start:stop, _GROUP:-_GROUP]
-                _add_digits(real, *chunk, None, remaining, (1 << width) - 1, None, by)
+                add_digits(real, *chunk, None, remaining, (1 << width) - 1, None, by)
             else:
-                _add_digits(hist[start:stop], *chunk, base[start:stop], remaining, top, dump, by)
+                add_digits(hist[start:stop], *chunk, base[start:stop], remaining, top, dump, by)
         hist[:, :_GROUP] = 0
         hist[:, -_GROUP:] = 0
         digit, above = _descend(hist, target, above)
@@ -149,7 +149,7 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     return prefix.to(torch.int32).view(torch.float32)
 
 
-def _add_digits(
+def add_digits(
     hist: Tensor,
     values: Tensor,
     words: Tensor,
@@ -160,7 +160,8 @@ def _add_digits(
     dump: Tensor | None,
     by: str,
 ) -> None:
-    """Add one chunk of rows to ``hist``: each entry's count or mass to the bucket
+    """Add one chunk of rows to ``hist``: each entry's count (``by="count"``) or mass (any
+    other ``by``) to the bucket
     ``(pattern >> shift) - base`` clamped into ``[dump, top]`` (``keys`` is scratch); with
     ``base`` None (round 1), to ``(pattern >> shift) & top`` (``top = 2**width - 1``):
     garbage (NaN, negative) patterns then land in some bucket, which only garbage rows see.
@@ -189,7 +190,9 @@ def _add_digits(
             keys.sub_(base)
             torch.clamp(keys, dump, top_key, out=keys)
         if by == "count":
-            entries = torch.ones((), dtype=values.dtype, device=keys.device).expand(keys.shape)
+            entries = torch.ones((), dtype=hist.dtype, device=keys.device).expand(keys.shape)
+        elif entries.dtype != hist.dtype:  # float64 buckets for float32 weights (distributed)
+            entries = entries.to(hist.dtype)
         hist.scatter_add_(1, keys, entries)
 
 
