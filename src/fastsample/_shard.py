@@ -295,33 +295,3 @@ def radix_histogram(
 
 
 _DUMPS = 64  # dump columns below the digits in radix_histogram
-
-
-_GROUP = 64  # buckets per group of the two-level search in descend
-
-
-def _last_meeting(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
-    """Last column ``d`` of ``hist`` (``(B, c)`` float64) with ``above + sum(hist[:, d:]) >=
-    target`` (0 if none) and ``above`` plus the columns strictly after it."""
-    suffix = hist.flip(-1).cumsum(-1).flip(-1)
-    # Suffix sums fall as the column rises, so the columns meeting the target form a prefix.
-    last = ((above[:, None] + suffix) >= target[:, None]).sum(-1, keepdim=True) - 1
-    last = last.clamp_(0, hist.shape[1] - 1)
-    return last, above + (suffix.gather(1, last) - hist.gather(1, last)).squeeze(1)
-
-
-def descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
-    """Largest bucket ``d`` with ``above + sum(hist[:, d:]) >= target`` (0 if none), ``(B, 1)``,
-    and the new ``above`` (plus the buckets strictly after ``d``).
-
-    Two levels (groups of 64 buckets, then the 64 buckets of one group) so each round touches
-    ``O(buckets / 64 + 64)`` float64 values per row instead of a cumulative sum over all of
-    them; float64 arithmetic.
-    """
-    batch, width = hist.shape
-    groups = hist.view(batch, width // _GROUP, _GROUP)
-    # float32 group sums: bucket masses are float32 sums already (counts are exact).
-    group, above = _last_meeting(groups.sum(-1).to(torch.float64), target, above)
-    bins = groups.gather(1, group[:, :, None].expand(batch, 1, _GROUP)).squeeze(1)
-    inner, above = _last_meeting(bins.to(torch.float64), target, above)
-    return group * _GROUP + inner, above

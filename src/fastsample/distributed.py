@@ -89,7 +89,6 @@ from ._shard import (
     RADIX_PIECE_ELEMENTS,
     RADIX_ROUNDS,
     Layout,
-    descend,
     draw_in_slot,
     make_layout,
     radix_histogram,
@@ -111,7 +110,14 @@ from .noise import UniformSource
 from .race import repeat_last_genuine
 from .sampling import SampleOutput
 from .seeds import make_source
-from .select import CANDIDATE_MAX_K, block_maxima, first_argmax, largest_entries, top_entries
+from .select import (
+    CANDIDATE_MAX_K,
+    block_maxima,
+    descend,
+    first_argmax,
+    largest_entries,
+    top_entries,
+)
 
 __all__ = ["Collective", "Traffic", "record_traffic", "sample"]
 

@@ -66,27 +66,32 @@ _GROUP = 64  # buckets per group of the two-level suffix search
 _TOP_GROUP = 32  # entries per group in the second level of candidate_entries
 
 
-def _descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
-    """Largest bucket ``d`` with ``above + sum(hist[:, d:]) >= target`` and the new ``above``
-    (plus the buckets strictly after ``d``). ``hist`` is ``(B, groups * 64)``; a target
-    above everything gives bucket 0.
+def _last_meeting(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
+    """Last column ``d`` of ``hist`` (``(B, c)`` float64) with ``above + sum(hist[:, d:]) >=
+    target`` (0 if none) and ``above`` plus the columns strictly after it."""
+    suffix = hist.flip(-1).cumsum(-1).flip(-1)
+    # Suffix sums fall as the column rises, so the columns meeting the target form a prefix.
+    last = ((above[:, None] + suffix) >= target[:, None]).sum(-1, keepdim=True) - 1
+    last = last.clamp_(0, hist.shape[1] - 1)
+    return last, above + (suffix.gather(1, last) - hist.gather(1, last)).squeeze(1)
+
+
+def descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
+    """Largest bucket ``d`` with ``above + sum(hist[:, d:]) >= target`` (0 if none), ``(B, 1)``,
+    and the new ``above`` (plus the buckets strictly after ``d``); ``hist`` is
+    ``(B, groups * 64)``.
+
+    Two levels (groups of 64 buckets, then the 64 buckets of one group) so each round touches
+    ``O(buckets / 64 + 64)`` float64 values per row instead of a cumulative sum over all of
+    them; float64 arithmetic. Shared with the vocabulary-parallel radix of ``_shard``.
     """
     batch, width = hist.shape
     groups = hist.view(batch, width // _GROUP, _GROUP)
-    group_sums = groups.sum(-1).to(torch.float64)
-    group_suffix = group_sums.flip(-1).cumsum(-1).flip(-1)
-    # Suffix sums fall as the bucket rises, so the buckets meeting the target form a prefix:
-    # its length locates the last one.
-    group = ((above[:, None] + group_suffix) >= target[:, None]).sum(-1, keepdim=True) - 1
-    group = group.clamp_(0, groups.shape[1] - 1)
-    above = above + (group_suffix.gather(1, group) - group_sums.gather(1, group)).squeeze(1)
+    # float32 group sums: bucket masses are float32 sums already (counts are exact).
+    group, above = _last_meeting(groups.sum(-1).to(torch.float64), target, above)
     bins = groups.gather(1, group[:, :, None].expand(batch, 1, _GROUP)).squeeze(1)
-    bins = bins.to(torch.float64)
-    bin_suffix = bins.flip(-1).cumsum(-1).flip(-1)
-    inner = ((above[:, None] + bin_suffix) >= target[:, None]).sum(-1, keepdim=True) - 1
-    inner = inner.clamp_(0, _GROUP - 1)
-    above = above + (bin_suffix.gather(1, inner) - bins.gather(1, inner)).squeeze(1)
-    return (group * _GROUP + inner).squeeze(1), above
+    inner, above = _last_meeting(bins.to(torch.float64), target, above)
+    return group * _GROUP + inner, above
 
 
 def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
@@ -141,8 +146,8 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
                 add_digits(hist[start:stop], *chunk, base[start:stop], remaining, top, dump, by)
         hist[:, :_GROUP] = 0
         hist[:, -_GROUP:] = 0
-        digit, above = _descend(hist, target, above)
-        prefix = (prefix << width) | (digit[:, None] - _GROUP).clamp_(0, (1 << width) - 1)
+        digit, above = descend(hist, target, above)
+        prefix = (prefix << width) | (digit - _GROUP).clamp_(0, (1 << width) - 1)
     prefix = prefix.squeeze(1)
     if dtype == torch.float64:
         return prefix.view(torch.float64)
