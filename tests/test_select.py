@@ -103,6 +103,29 @@ def test_threshold_keeps_ties_and_survives_garbage(wide, monkeypatch):
             assert got[0] == 0.5
 
 
+@pytest.mark.parametrize("rounds", ["short", "wide"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_negative_zero_counts_as_zero(rounds, dtype, monkeypatch):
+    """``-0.0`` weights (probabilities may hold them) are zeros, in odd and even columns and
+    in every round: a set sign bit makes a negative key, which must never count as a weight."""
+    if rounds == "wide":
+        monkeypatch.setattr(select_module, "_WIDE_FROM", 2)
+    gen = torch.Generator().manual_seed(5)
+    values = torch.rand(4, 300, generator=gen, dtype=torch.float64) ** 2
+    values[:, 100:] = 0.0
+    values[0, 100::2] = -0.0
+    values[1, 101::2] = -0.0
+    values[2, 100:] = -0.0
+    values[3, :] = -0.0
+    values = values.to(dtype)
+    for count in (1.0, 50.0, 100.0, 101.0, 250.0, 300.0):
+        target = torch.full((4,), count, dtype=torch.float64)
+        got = descending_threshold(values, target, "count")
+        for r in range(4):
+            row = (values[r].double() + 0.0).numpy()  # + 0.0: -0.0 -> 0.0
+            assert float(got[r]) == reference_threshold(row, count, "count"), (r, count)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_top_entries_orders_ties_by_index_across_blocks(dtype):
     gen = torch.Generator().manual_seed(3)

@@ -245,8 +245,9 @@ def draw_in_slot(
 # Digit widths per round for weights in [0, 1]: their bit patterns are below 2**30 (float32)
 # or 2**62 (float64), and each round's histogram stays within MAX_SLOTS buckets.
 RADIX_ROUNDS = {torch.float32: (10, 10, 10), torch.float64: (8, 9, 9, 9, 9, 9, 9)}
-# int64 keys per piece of rows on CPU (1 MiB, as in select's radix): a reused scratch in cache.
-RADIX_PIECE_ELEMENTS = 1 << 17
+# Bytes of keys per piece of rows on CPU (1 MiB, as in select's radix): a reused scratch in
+# cache.
+RADIX_PIECE_BYTES = 1 << 20
 
 
 def radix_histogram(
@@ -263,19 +264,18 @@ def radix_histogram(
     share ``prefix`` (``(B, 1)``); other patterns are dropped (those above it were counted in
     earlier rounds).
 
-    ``values``: ``(B, even width)`` contiguous float32 or float64; ``keys``: an int64 scratch
-    of ``(rows, values' width in int64 words)``, reused across rounds: the rows go through
-    it ``rows`` at a time (:func:`fastsample.select.add_digits`, the single-process radix's
-    histogram step).
+    ``values``: ``(B, V)`` contiguous float32 or float64; ``keys``: a
+    :func:`fastsample.select.key_scratch` of ``rows`` rows, reused across rounds: the rows go
+    through it ``rows`` at a time (:func:`fastsample.select.add_digits`, the single-process
+    radix's histogram step).
     """
-    batch = values.shape[0]
+    batch, vocab = values.shape
     buckets = 1 << width
-    words = values.view(torch.int64)
     # Digit d lands in column d + 64; patterns below the prefix in one of columns 0..63 (by
     # column of the entry: one shared dump column serialises most adds, 3x slower), above it
     # (or garbage) in column buckets + 64: the dump columns, left out of the result.
-    base = (prefix << width) - _DUMPS
-    dump = (torch.arange(words.shape[1], device=values.device) & (_DUMPS - 1))[None, :]
+    base = ((prefix << width) - _DUMPS).to(keys.dtype)
+    dump = (torch.arange(vocab, device=values.device, dtype=keys.dtype) & (_DUMPS - 1))[None, :]
     hist = torch.zeros(batch, buckets + _DUMPS + 1, dtype=dtype, device=values.device)
     rows = max(keys.shape[0], 1)
     for start in range(0, batch, rows):
@@ -283,7 +283,6 @@ def radix_histogram(
         add_digits(
             hist[start:stop],
             values[start:stop],
-            words[start:stop],
             keys[: stop - start],
             base[start:stop],
             shift,

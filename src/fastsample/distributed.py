@@ -86,7 +86,7 @@ from torch import Tensor
 from . import _validation as v
 from ._pieces import piece_rows
 from ._shard import (
-    RADIX_PIECE_ELEMENTS,
+    RADIX_PIECE_BYTES,
     RADIX_ROUNDS,
     Layout,
     draw_in_slot,
@@ -115,6 +115,7 @@ from .select import (
     block_maxima,
     descend,
     first_argmax,
+    key_scratch,
     largest_entries,
     top_entries,
 )
@@ -473,10 +474,10 @@ def _radix_threshold(
     dtype = values.dtype
     wide = dtype == torch.float64 or layout.vocab >= 1 << 24  # float32 counts exact below 2**24
     hist_dtype = torch.float64 if wide else torch.float32
-    batch, words = values.shape[0], values.view(torch.int64).shape[1]
-    # One int64 key scratch for every round, a few rows at a time on CPU (as select's radix).
-    rows = piece_rows(batch, words, values.device, RADIX_PIECE_ELEMENTS)
-    keys = torch.empty(min(rows, batch), words, dtype=torch.int64, device=values.device)
+    batch, vocab = values.shape
+    # One key scratch for every round, a few rows at a time on CPU (as select's radix).
+    row_bytes = vocab * values.element_size()
+    keys = key_scratch(values, piece_rows(batch, row_bytes, values.device, RADIX_PIECE_BYTES))
     rounds = RADIX_ROUNDS[dtype]
     remaining = sum(rounds)
     prefix = torch.zeros(batch, 1, dtype=torch.int64, device=values.device)

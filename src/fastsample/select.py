@@ -21,8 +21,9 @@ float64; rows shorter than 32,768 take three (float64: six) rounds of 10-11 bits
 number of full-shape ops, no host sync, no data-dependent shape, and the
 result is an exact bit pattern, so ties are handled for free. Memory: one float table of
 ``B x (2**16 + 128)`` (less than the weights themselves for the rows that use it) and ~1 MiB
-of keys on CPU. Weights are read as int64 pairs
-(two float32 patterns per word) because int32 -> int64 conversion costs more than the shifts.
+of keys on CPU. A float32 weight's key is its pattern read as int32 (``scatter_add_`` takes
+int32 indices): two cheap ops per round (shift and mask, or subtract and clamp) on half the
+bytes of int64 keys.
 
 Why it is shaped this way (CPU, measured in ``docs/cpu-primitive-costs.md``): the
 ``scatter_add`` is the floor (~0.75 ns per entry), so few wide rounds beat many narrow ones
@@ -60,7 +61,8 @@ from .inverse_cdf import BLOCK
 _ROUNDS = {torch.float32: (16, 15), torch.float64: (16, 16, 16, 15)}
 _SHORT_ROW_ROUNDS = {torch.float32: (11, 10, 10), torch.float64: (11, 11, 11, 10, 10, 10)}
 _WIDE_FROM = 1 << 15  # row length from which the wide digits are used
-# Rows per chunk of the radix rounds on CPU: as many as keep one chunk's int64 keys near this.
+# Rows per chunk of the radix rounds on CPU: as many as keep one chunk's keys near this many
+# bytes.
 _CHUNK_BYTES = 1 << 20
 _GROUP = 64  # buckets per group of the two-level suffix search
 _TOP_GROUP = 32  # entries per group in the second level of candidate_entries
@@ -99,8 +101,8 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     (``by="count"``) or the sum (``by="mass"``) of the entries ``>= t``.
 
     Args:
-        values: ``(B, V)`` contiguous float32 (``V`` even) or float64, non-negative. Rows with
-            NaN or negative entries give an arbitrary ``t`` (never an error).
+        values: ``(B, V)`` contiguous float32 or float64, non-negative (``-0.0`` counts as
+            0). Rows with NaN or negative entries give an arbitrary ``t`` (never an error).
         target: ``(B,)`` float64, ``0 < target <= Q(0)``. A larger target gives ``t`` at
             or below the row's smallest bucket; ``target <= 0`` gives the largest pattern:
             callers mask rows whose control is off.
@@ -116,29 +118,31 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     """
     if torch.compiler.is_compiling():
         return _bisect_threshold(values, target, by)
-    batch, device, dtype = values.shape[0], values.device, values.dtype
-    words = values.view(torch.int64)
-    rows = piece_rows(batch, words.shape[1], device, _CHUNK_BYTES // 8)  # int64 keys
-    keys = torch.empty(min(rows, batch), words.shape[1], dtype=torch.int64, device=device)
+    batch, vocab = values.shape
+    device, dtype = values.device, values.dtype
+    keys = key_scratch(values, piece_rows(batch, vocab * _KEY_BYTES[dtype], device, _CHUNK_BYTES))
+    rows = keys.shape[0]
     # Entries outside the chosen bucket are clamped up to this (0..63, by column): the dump
     # buckets, spread so that no single bucket takes most of the adds.
-    dump = (torch.arange(words.shape[1], device=device) & (_GROUP - 1))[None, :]
-    digits = (_ROUNDS if values.shape[1] >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
+    dump = (torch.arange(vocab, device=device, dtype=keys.dtype) & (_GROUP - 1))[None, :]
+    digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
+    # One table for the whole batch: per-row-piece tables (smaller, in cache) cost more in the
+    # per-piece small ops of the bucket search than they save (measured).
     table = torch.empty(batch, (1 << max(digits)) + 2 * _GROUP, dtype=dtype, device=device)
-    prefix = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    prefix = torch.zeros(batch, 1, dtype=keys.dtype, device=device)
     above = torch.zeros(batch, dtype=torch.float64, device=device)
     remaining = sum(digits)
     for round_index, width in enumerate(digits):
         remaining -= width
         # Keys of the patterns sharing the prefix chosen so far land in buckets
-        # 64..64 + 2**width - 1; smaller patterns in the dump buckets below, larger ones
-        # (and garbage: NaN, negative) in the last group. Round 1 shares one prefix (0).
+        # 64..64 + 2**width - 1; smaller patterns in the dump buckets below, larger ones in
+        # the last group. Round 1 shares one prefix (0).
         top = (1 << width) + 2 * _GROUP - 1
         hist = table[:, : top + 1].zero_()
         base = (prefix << width) - _GROUP
         for start in range(0, batch, rows):
             stop = min(start + rows, batch)
-            chunk = (values[start:stop], words[start:stop], keys[: stop - start])
+            chunk = (values[start:stop], keys[: stop - start])
             if round_index == 0:  # every key is a digit: a mask replaces sub + clamp
                 real = hist[start:stop, _GROUP:-_GROUP]
                 add_digits(real, *chunk, None, remaining, (1 << width) - 1, None, by)
@@ -147,17 +151,26 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
         hist[:, :_GROUP] = 0
         hist[:, -_GROUP:] = 0
         digit, above = descend(hist, target, above)
-        prefix = (prefix << width) | (digit - _GROUP).clamp_(0, (1 << width) - 1)
-    prefix = prefix.squeeze(1)
-    if dtype == torch.float64:
-        return prefix.view(torch.float64)
-    return prefix.to(torch.int32).view(torch.float32)
+        prefix = (prefix << width) | (digit - _GROUP).clamp_(0, (1 << width) - 1).to(keys.dtype)
+    return prefix.squeeze(1).view(dtype)
+
+
+# Bytes per key: one integer per entry, as wide as its float (float32 patterns as int32,
+# which scatter_add_ takes as an index directly).
+_KEY_BYTES = {torch.float32: 4, torch.float64: 8}
+
+
+def key_scratch(values: Tensor, rows: int) -> Tensor:
+    """An integer scratch for :func:`add_digits`: ``(min(rows, B), V)``, int32 for float32
+    ``values``, int64 for float64."""
+    batch, vocab = values.shape
+    dtype = torch.int32 if values.dtype == torch.float32 else torch.int64
+    return torch.empty(min(rows, batch), vocab, dtype=dtype, device=values.device)
 
 
 def add_digits(
     hist: Tensor,
     values: Tensor,
-    words: Tensor,
     keys: Tensor,
     base: Tensor | None,
     shift: int,
@@ -166,39 +179,32 @@ def add_digits(
     by: str,
 ) -> None:
     """Add one chunk of rows to ``hist``: each entry's count (``by="count"``) or mass (any
-    other ``by``) to the bucket
-    ``(pattern >> shift) - base`` clamped into ``[dump, top]`` (``keys`` is scratch); with
-    ``base`` None (round 1), to ``(pattern >> shift) & top`` (``top = 2**width - 1``):
+    other ``by``) to the bucket ``(pattern >> shift) - base`` clamped into ``[dump, top]``
+    (``keys``, from :func:`key_scratch`, is scratch; ``base`` and ``dump`` in its dtype);
+    with ``base`` None (round 1), to ``(pattern >> shift) & top`` (``top = 2**width - 1``):
     garbage (NaN, negative) patterns then land in some bucket, which only garbage rows see.
 
-    float32 patterns come in pairs per int64 word: the odd entry is the high half
-    (``word >> 32``, sign-extending garbage below every bucket), the even entry the low half
-    (``word & 0xFFFFFFFF``: a set sign bit lands above every bucket).
+    A set sign bit (``-0.0``, garbage) makes a pattern negative: round 1's mask puts
+    ``-0.0`` with ``0.0``; in later rounds it lands in a dump (shifted patterns) or, wrapping
+    around in the subtraction, above every digit (unshifted), which no row counts.
     """
-    if values.dtype == torch.float64:
-        pieces = [(values, 0)]
+    patterns = values.view(keys.dtype)
+    if base is None:
+        torch.bitwise_right_shift(patterns, shift, out=keys).bitwise_and_(top)
     else:
-        pieces = [(values[:, 1::2], 32), (values[:, 0::2], -1)]
-    # A fill, not torch.tensor(): no host-to-device copy (CUDA graph capture forbids one).
-    top_key = torch.full((), top, dtype=torch.int64, device=keys.device)
-    for entries, half in pieces:
-        mask = top if base is None else 0xFFFFFFFF >> shift  # a digit; an even entry's half
-        if half >= 0:  # float64 or the odd float32 entry: a shift
-            torch.bitwise_right_shift(words, shift + half, out=keys)
-            if base is None:
-                keys.bitwise_and_(mask)
-        elif shift:
-            torch.bitwise_right_shift(words, shift, out=keys).bitwise_and_(mask)
+        if shift:
+            torch.bitwise_right_shift(patterns, shift, out=keys).sub_(base)
         else:
-            torch.bitwise_and(words, mask, out=keys)
-        if base is not None:
-            keys.sub_(base)
-            torch.clamp(keys, dump, top_key, out=keys)
-        if by == "count":
-            entries = torch.ones((), dtype=hist.dtype, device=keys.device).expand(keys.shape)
-        elif entries.dtype != hist.dtype:  # float64 buckets for float32 weights (distributed)
-            entries = entries.to(hist.dtype)
-        hist.scatter_add_(1, keys, entries)
+            torch.sub(patterns, base, out=keys)
+        # A fill, not torch.tensor(): no host-to-device copy (CUDA graph capture forbids one).
+        torch.clamp(keys, dump, torch.full((), top, dtype=keys.dtype, device=keys.device), out=keys)
+    if by == "count":
+        entries = torch.ones((), dtype=hist.dtype, device=keys.device).expand(keys.shape)
+    elif values.dtype != hist.dtype:  # float64 buckets for float32 weights (distributed)
+        entries = values.to(hist.dtype)
+    else:
+        entries = values
+    hist.scatter_add_(1, keys, entries)
 
 
 def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
