@@ -258,10 +258,15 @@ def _as_rows(value: float | int | Tensor, batch: int, like: Tensor) -> Tensor:
     return torch.full((batch,), value, dtype=like.dtype, device=like.device)
 
 
-def _top_p_cut(kept: Tensor, top_p: float | Tensor, mass: Tensor) -> Tensor:
-    """Top-p threshold on ``kept`` (weights already cut by top-k) by radix selection."""
-    p = _as_rows(top_p, kept.shape[0], mass)
-    cut = descending_threshold(kept, p * mass, "mass")
+def _top_p_cut(weights: Tensor, top_p: float | Tensor, mass: Tensor | None) -> Tensor:
+    """Top-p threshold on ``weights`` by radix selection: ``top_p`` of ``mass`` (the top-k
+    survivors' mass), or of the whole row's if None."""
+    rows = torch.empty(weights.shape[0], dtype=torch.float64, device=weights.device)
+    p = _as_rows(top_p, rows.shape[0], rows)
+    if mass is None:
+        cut = descending_threshold(weights, p, "share")
+    else:
+        cut = descending_threshold(weights, p * mass, "mass")
     return torch.where(p < 1, cut, 0.0)
 
 
@@ -371,18 +376,17 @@ def _cuts(
     if controls.top_p is not None:
         # For thresholds at or above cut_k the mass above them is the same with or without
         # the top-k cut, so top-p needs only the survivors' mass, not a masked copy.
-        if cut is None:
-            mass = block_sums(weights).sum(-1)
-        elif candidates is not None:
+        mass: Tensor | None = None  # None: the whole row's, read off the radix's first round
+        if candidates is not None:
             # Every survivor above cut_k is a candidate; the rest are ties at cut_k, anywhere
             # in the row: count them (one compare pass, no masked copy).
             ties = count_equal(weights, cut)
             strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
             mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
-        else:
+        elif cut is not None:
             mass = _kept_mass(weights, cut)
         if candidates is not None and isinstance(controls.top_p, float):
-            assert cut is not None
+            assert cut is not None and mass is not None
             cut_p = _top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
         else:
             cut_p = _top_p_cut(weights, controls.top_p, mass)

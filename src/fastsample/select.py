@@ -78,10 +78,19 @@ def _last_meeting(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, 
     return last, above + (suffix.gather(1, last) - hist.gather(1, last)).squeeze(1)
 
 
-def descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
+def group_sums(hist: Tensor) -> Tensor:
+    """``(B, groups)`` float64 sums of ``hist``'s groups of 64 buckets (summed in ``hist``'s
+    dtype: bucket masses are float32 sums already, counts are exact)."""
+    batch, width = hist.shape
+    return hist.view(batch, width // _GROUP, _GROUP).sum(-1).to(torch.float64)
+
+
+def descend(
+    hist: Tensor, target: Tensor, above: Tensor, sums: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Largest bucket ``d`` with ``above + sum(hist[:, d:]) >= target`` (0 if none), ``(B, 1)``,
     and the new ``above`` (plus the buckets strictly after ``d``); ``hist`` is
-    ``(B, groups * 64)``.
+    ``(B, groups * 64)``, ``sums`` its :func:`group_sums` if already taken.
 
     Two levels (groups of 64 buckets, then the 64 buckets of one group) so each round touches
     ``O(buckets / 64 + 64)`` float64 values per row instead of a cumulative sum over all of
@@ -89,8 +98,7 @@ def descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor
     """
     batch, width = hist.shape
     groups = hist.view(batch, width // _GROUP, _GROUP)
-    # float32 group sums: bucket masses are float32 sums already (counts are exact).
-    group, above = _last_meeting(groups.sum(-1).to(torch.float64), target, above)
+    group, above = _last_meeting(group_sums(hist) if sums is None else sums, target, above)
     bins = groups.gather(1, group[:, :, None].expand(batch, 1, _GROUP)).squeeze(1)
     inner, above = _last_meeting(bins.to(torch.float64), target, above)
     return group * _GROUP + inner, above
@@ -98,12 +106,15 @@ def descend(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor
 
 def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     """Largest ``t`` with ``Q(t) >= target`` per row, where ``Q(t)`` is the count
-    (``by="count"``) or the sum (``by="mass"``) of the entries ``>= t``.
+    (``by="count"``) or the sum (``by="mass"``) of the entries ``>= t``; ``by="share"`` is
+    ``by="mass"`` with ``target`` a fraction of the row's total mass (read off the first
+    round's histogram: no separate pass over the row).
 
     Args:
         values: ``(B, V)`` contiguous float32 or float64, non-negative (``-0.0`` counts as
             0). Rows with NaN or negative entries give an arbitrary ``t`` (never an error).
-        target: ``(B,)`` float64, ``0 < target <= Q(0)``. A larger target gives ``t`` at
+        target: ``(B,)`` float64, ``0 < target <= Q(0)`` (for ``"share"``: ``0 < target <=
+            1``). A larger target gives ``t`` at
             or below the row's smallest bucket; ``target <= 0`` gives the largest pattern:
             callers mask rows whose control is off.
 
@@ -150,7 +161,10 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
                 add_digits(hist[start:stop], *chunk, base[start:stop], remaining, top, dump, by)
         hist[:, :_GROUP] = 0
         hist[:, -_GROUP:] = 0
-        digit, above = descend(hist, target, above)
+        sums = group_sums(hist)
+        if round_index == 0 and by == "share":  # round 1 holds every weight: the row's mass
+            target = target * sums.sum(-1)
+        digit, above = descend(hist, target, above, sums)
         prefix = (prefix << width) | (digit - _GROUP).clamp_(0, (1 << width) - 1).to(keys.dtype)
     return prefix.squeeze(1).view(dtype)
 
@@ -214,6 +228,8 @@ def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     """
     bits = 63 if values.dtype == torch.float64 else 31
     batch = values.shape[0]
+    if by == "share":
+        target = target * values.sum(-1, dtype=torch.float64)
     # Invariant: Q(lo) >= target (Q(0) is everything), the answer is in [lo, hi].
     lo = torch.zeros(batch, 1, dtype=torch.int64, device=values.device)
     infinity = 0x7FF0000000000000 if values.dtype == torch.float64 else 0x7F800000
@@ -225,7 +241,7 @@ def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
             threshold = mid.view(torch.float64)
         else:
             threshold = mid.to(torch.int32).view(torch.float32)
-        counted = values if by == "mass" else unit
+        counted = unit if by == "count" else values
         q = torch.where(values >= threshold, counted, 0).sum(-1, keepdim=True, dtype=torch.float64)
         ok = q >= target[:, None]
         lo = torch.where(ok, mid, lo)
