@@ -36,7 +36,7 @@ def reference_threshold(row: np.ndarray, target: float, by: str) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("by", ["count", "mass"])
+@pytest.mark.parametrize("by", ["count", "mass", "share"])
 @pytest.mark.parametrize("method", ["radix", "radix_wide_chunked", "bisect"])
 def test_threshold_matches_sorting(dtype, by, method, monkeypatch):
     values = rows(dtype, 1000, seed=1)
@@ -52,13 +52,16 @@ def test_threshold_matches_sorting(dtype, by, method, monkeypatch):
         else:
             fraction = torch.tensor(gen.random(5), dtype=torch.float64)
             target = fraction * values.double().sum(-1)
-        got = select(values, target, by)
+        # "share": the same mass targets, as fractions of the row's mass.
+        got = select(values, fraction if by == "share" else target, by)
+        amount = "count" if by == "count" else "mass"
         for r in range(values.shape[0]):
             row = values[r].double().numpy()
-            want = reference_threshold(row, float(target[r]), by)
+            want = reference_threshold(row, float(target[r]), amount)
             # Masses are summed in a different order than numpy's: accept either neighbour
             # only when the target sits within rounding of a cumulative mass.
-            assert float(got[r]) == want or (by == "mass" and _near_boundary(row, target[r]))
+            near = amount == "mass" and _near_boundary(row, target[r])
+            assert float(got[r]) == want or near
 
 
 def _near_boundary(row: np.ndarray, target: torch.Tensor) -> bool:
