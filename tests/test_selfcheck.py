@@ -63,9 +63,9 @@ def test_long_row_check_fails_when_the_radix_skips_its_second_round(monkeypatch)
 
     first_round_only = select.add_digits
 
-    def broken(hist, values, keys, base, *rest):
-        if base is None:  # round 1 as usual; later rounds add nothing
-            first_round_only(hist, values, keys, base, *rest)
+    def broken(hist, values, keys, by, **digit):
+        if "mask" in digit:  # round 1 as usual; later rounds add nothing
+            first_round_only(hist, values, keys, by, **digit)
 
     assert selfcheck.check_long_rows(CPU) is None
     monkeypatch.setattr(select, "add_digits", broken)

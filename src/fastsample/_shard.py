@@ -271,26 +271,20 @@ def radix_histogram(
     """
     batch, vocab = values.shape
     buckets = 1 << width
-    # Digit d lands in column d + 64; patterns below the prefix in one of columns 0..63 (by
-    # column of the entry: one shared dump column serialises most adds, 3x slower), above it
-    # (or garbage) in column buckets + 64: the dump columns, left out of the result.
+    # Digit d lands in column d + 64; patterns below the prefix in one of columns 0..63, above
+    # it (or garbage) in one of the 64 columns after the digits, by column of the entry (one
+    # shared dump column serialises most adds, 3x slower): the dumps, left out of the result.
     base = ((prefix << width) - _DUMPS).to(keys.dtype)
     dump = (torch.arange(vocab, device=values.device, dtype=keys.dtype) & (_DUMPS - 1))[None, :]
-    hist = torch.zeros(batch, buckets + _DUMPS + 1, dtype=dtype, device=values.device)
+    ceiling = dump + (buckets + _DUMPS)
+    hist = torch.zeros(batch, buckets + 2 * _DUMPS, dtype=dtype, device=values.device)
     rows = max(keys.shape[0], 1)
     for start in range(0, batch, rows):
         stop = min(start + rows, batch)
-        add_digits(
-            hist[start:stop],
-            values[start:stop],
-            keys[: stop - start],
-            base[start:stop],
-            shift,
-            buckets + _DUMPS,
-            dump,
-            by,
-        )
-    return hist[:, _DUMPS:-1].contiguous()
+        bounds = {"base": base[start:stop], "floor": dump, "ceiling": ceiling}
+        chunk = (values[start:stop], keys[: stop - start])
+        add_digits(hist[start:stop], *chunk, by, shift=shift, **bounds)
+    return hist[:, _DUMPS:-_DUMPS].contiguous()
 
 
-_DUMPS = 64  # dump columns below the digits in radix_histogram
+_DUMPS = 64  # dump columns on each side of the digits in radix_histogram

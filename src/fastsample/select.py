@@ -131,12 +131,12 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
         return _bisect_threshold(values, target, by)
     batch, vocab = values.shape
     device, dtype = values.device, values.dtype
+    digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
     keys = key_scratch(values, piece_rows(batch, vocab * _KEY_BYTES[dtype], device, _CHUNK_BYTES))
     rows = keys.shape[0]
-    # Entries outside the chosen bucket are clamped up to this (0..63, by column): the dump
-    # buckets, spread so that no single bucket takes most of the adds.
+    # Entries outside the chosen bucket are clamped into 64 buckets below (dumps) or above it,
+    # picked by column, so that no single bucket takes most of the adds.
     dump = (torch.arange(vocab, device=device, dtype=keys.dtype) & (_GROUP - 1))[None, :]
-    digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
     # One table for the whole batch: per-row-piece tables (smaller, in cache) cost more in the
     # per-piece small ops of the bucket search than they save (measured).
     table = torch.empty(batch, (1 << max(digits)) + 2 * _GROUP, dtype=dtype, device=device)
@@ -146,19 +146,20 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     for round_index, width in enumerate(digits):
         remaining -= width
         # Keys of the patterns sharing the prefix chosen so far land in buckets
-        # 64..64 + 2**width - 1; smaller patterns in the dump buckets below, larger ones in
-        # the last group. Round 1 shares one prefix (0).
-        top = (1 << width) + 2 * _GROUP - 1
-        hist = table[:, : top + 1].zero_()
+        # 64..64 + 2**width - 1; smaller patterns in the 64 buckets below, larger ones in the
+        # 64 above. Round 1 shares one prefix (0): every key is a digit.
+        hist = table[:, : (1 << width) + 2 * _GROUP].zero_()
         base = (prefix << width) - _GROUP
+        ceiling = dump + ((1 << width) + _GROUP)
         for start in range(0, batch, rows):
             stop = min(start + rows, batch)
             chunk = (values[start:stop], keys[: stop - start])
-            if round_index == 0:  # every key is a digit: a mask replaces sub + clamp
+            if round_index == 0:
                 real = hist[start:stop, _GROUP:-_GROUP]
-                add_digits(real, *chunk, None, remaining, (1 << width) - 1, None, by)
+                add_digits(real, *chunk, by, shift=remaining, mask=(1 << width) - 1)
             else:
-                add_digits(hist[start:stop], *chunk, base[start:stop], remaining, top, dump, by)
+                bounds = {"base": base[start:stop], "floor": dump, "ceiling": ceiling}
+                add_digits(hist[start:stop], *chunk, by, shift=remaining, **bounds)
         hist[:, :_GROUP] = 0
         hist[:, -_GROUP:] = 0
         sums = group_sums(hist)
@@ -186,32 +187,36 @@ def add_digits(
     hist: Tensor,
     values: Tensor,
     keys: Tensor,
-    base: Tensor | None,
-    shift: int,
-    top: int,
-    dump: Tensor | None,
     by: str,
+    *,
+    shift: int,
+    mask: int | None = None,
+    base: Tensor | None = None,
+    floor: Tensor | None = None,
+    ceiling: Tensor | None = None,
 ) -> None:
     """Add one chunk of rows to ``hist``: each entry's count (``by="count"``) or mass (any
-    other ``by``) to the bucket ``(pattern >> shift) - base`` clamped into ``[dump, top]``
-    (``keys``, from :func:`key_scratch`, is scratch; ``base`` and ``dump`` in its dtype);
-    with ``base`` None (round 1), to ``(pattern >> shift) & top`` (``top = 2**width - 1``):
-    garbage (NaN, negative) patterns then land in some bucket, which only garbage rows see.
+    other ``by``) to the bucket of its bit pattern's digit (``keys``, from
+    :func:`key_scratch`, is scratch).
 
-    A set sign bit (``-0.0``, garbage) makes a pattern negative: round 1's mask puts
-    ``-0.0`` with ``0.0``; in later rounds it lands in a dump (shifted patterns) or, wrapping
-    around in the subtraction, above every digit (unshifted), which no row counts.
+    Round 1 (``mask`` given): bucket ``(pattern >> shift) & mask``; every pattern lands on a
+    digit, the sign bit masked off (``-0.0`` with ``0.0``; garbage rows see garbage).
+    Later rounds: bucket ``(pattern >> shift) - base`` clamped into ``[floor, ceiling]``
+    (per-column tensors in the keys' dtype: patterns outside the prefix spread over groups of
+    buckets below and above it, since adds piling up on one bucket serialise). A set sign bit
+    makes a pattern negative: it lands below (shifted) or, wrapping around in the
+    subtraction, above (unshifted), never on a digit of a valid prefix.
     """
     patterns = values.view(keys.dtype)
-    if base is None:
-        torch.bitwise_right_shift(patterns, shift, out=keys).bitwise_and_(top)
+    if mask is not None:
+        torch.bitwise_right_shift(patterns, shift, out=keys).bitwise_and_(mask)
     else:
+        assert base is not None and floor is not None and ceiling is not None
         if shift:
             torch.bitwise_right_shift(patterns, shift, out=keys).sub_(base)
         else:
             torch.sub(patterns, base, out=keys)
-        # A fill, not torch.tensor(): no host-to-device copy (CUDA graph capture forbids one).
-        torch.clamp(keys, dump, torch.full((), top, dtype=keys.dtype, device=keys.device), out=keys)
+        torch.clamp(keys, floor, ceiling, out=keys)
     if by == "count":
         entries = torch.ones((), dtype=hist.dtype, device=keys.device).expand(keys.shape)
     elif values.dtype != hist.dtype:  # float64 buckets for float32 weights (distributed)
