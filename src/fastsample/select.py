@@ -4,7 +4,8 @@ Two questions the sampling controls ask of a row of non-negative weights ``w``:
 
 * :func:`descending_threshold`: the largest value ``t`` whose *upper set* ``{i : w_i >= t}``
   holds at least ``target`` entries (``by="count"``: the k-th largest value, for top-k) or at
-  least ``target`` mass (``by="mass"``: the top-p cut). Ties at ``t`` are all in the set.
+  least ``target`` mass (``by="mass"``, or ``by="share"`` for a fraction of the row's mass:
+  the top-p cut). Ties at ``t`` are all in the set.
 * :func:`top_entries`: the ``n`` largest entries in order, ties broken by the lower index
   (greedy with several draws, ``top_logprobs``).
 
@@ -16,22 +17,23 @@ bit patterns read as integers, so the threshold is found digit by digit: round 1
 (``scatter_add``) the top 16 bits of every weight's pattern, a suffix sum over the 65,536
 buckets (two levels of 64) finds the bucket where the count or mass from the top crosses
 ``target``; the next rounds histogram the next bits of the weights inside the chosen bucket
-only (everything else lands in dump buckets). Two rounds for float32 (16 + 15 bits), four for
+only (everything else lands in dump buckets below or above it). Round 1 holds every weight,
+so a mass target given as a share of the row needs no separate pass for the row's total.
+Two rounds for float32 (16 + 15 bits), four for
 float64; rows shorter than 32,768 take three (float64: six) rounds of 10-11 bits. A fixed
 number of full-shape ops, no host sync, no data-dependent shape, and the
 result is an exact bit pattern, so ties are handled for free. Memory: one float table of
 ``B x (2**16 + 128)`` (less than the weights themselves for the rows that use it) and ~1 MiB
 of keys on CPU. A float32 weight's key is its pattern read as int32 (``scatter_add_`` takes
-int32 indices): two cheap ops per round (shift and mask, or subtract and clamp) on half the
-bytes of int64 keys.
+int32 indices): two cheap ops per round (shift and mask, or subtract and clamp).
 
 Why it is shaped this way (CPU, measured in ``docs/cpu-primitive-costs.md``): the
-``scatter_add`` is the floor (~0.75 ns per entry), so few wide rounds beat many narrow ones
-(16 + 15 bits: 2 scatters per entry instead of 3); the entries outside the chosen bucket go to
-64 dump buckets picked by column, because piling them on one bucket serialises the adds (3x
-slower); and rows are processed in chunks whose keys fit in ~1 MiB, so the scratch stays in
-cache and is reused instead of being a fresh 32 MB block whose page faults cost as much as the
-work.
+``scatter_add`` is the floor (~0.8 ns per entry on 2 cores, wherever the buckets are), so few
+wide rounds beat many narrow ones (16 + 15 bits: 2 scatters per entry instead of 3); the
+entries outside the chosen bucket go to 64 buckets below or above it picked by column, because
+piling them on one bucket serialises the adds (3x slower); and rows are processed in chunks
+whose keys fit in ~1 MiB, so the scratch stays in cache and is reused instead of being a fresh
+32 MB block whose page faults cost as much as the work.
 
 Masses are accumulated in float32 buckets and combined in float64, so a top-p decision can
 differ from an exact one only when ``target`` lies within float32 rounding (~1e-7
