@@ -436,6 +436,11 @@ def _block_content(values: Tensor, blocks: Tensor) -> Tensor:
     if vocab < BLOCK:
         return _gather_blocks(values, blocks)[0]
     full = vocab // BLOCK
+    if vocab % BLOCK == 0 and values.is_contiguous():
+        # Rows of a (B * full, BLOCK) view: one index_select, ~2x faster than indexing the
+        # (B, full, BLOCK) view with a row and a block index.
+        flat = blocks + torch.arange(0, batch * full, full, device=values.device)[:, None]
+        return values.view(batch * full, BLOCK).index_select(0, flat.flatten()).view(batch, -1)
     rows = torch.arange(batch, device=values.device)[:, None]
     whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
     content = whole[rows, blocks.clamp_max(full - 1)]
