@@ -113,9 +113,8 @@ def shard_weights(
     layout: Layout,
 ) -> Tensor:
     """The shard's weights before any cut, from the *global* row maximum ``best`` (``(B,)``
-    float64) and the global finiteness flag ``finite``: a contiguous ``(B, W)`` buffer with
-    ``W = layout.width`` rounded up to even (zero columns past ``V_local``: the radix selection
-    reads float32 pairs as int64); callers use ``[:, :layout.width]`` for everything else.
+    float64) and the global finiteness flag ``finite``: a contiguous ``(B, layout.width)``
+    buffer (a zero column past ``V_local`` on the shard that ends an odd vocabulary).
 
     Same ops, in the same order and dtypes, as the single-process
     ``fastsample.controls._weights_from_logits``/``_weights_from_probs``, so that each weight
@@ -129,7 +128,7 @@ def shard_weights(
     dtype = compute_dtype(source.dtype)
     temperature = controls.temperature
     top = best.to(dtype)
-    width = layout.width + layout.width % 2
+    width = layout.width
     if logits is not None:
         shift = torch.where(finite, top, 0.0)
         weights = torch.empty(batch, width, dtype=dtype, device=source.device)

@@ -183,15 +183,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _weights_from_logits(
     logits: Tensor, temperature: float | Tensor | None, maxima: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``exp((x - max) / T)`` into an even-width buffer; returns it, its row maximum (1
-    except for bad rows) and the finite-row flag."""
+    """``exp((x - max) / T)`` into an even-width buffer (a zero column past an odd
+    vocabulary); returns it, its row maximum (1 except for bad rows) and the finite-row flag."""
     batch, vocab = logits.shape
     dtype = _compute_dtype(logits.dtype)
     best = maxima.amax(-1).to(dtype)
     # NaN fails both comparisons; a +inf maximum is a bad row, a -inf one has nothing left.
     finite = (best > -math.inf) & (best < math.inf)
     shift = torch.where(finite, best, 0.0)
-    width = vocab + vocab % 2  # even: the radix selection reads float32 pairs as int64
+    # Even: the radix once read float32 pairs as int64 and no longer needs it, but the block
+    # layouts of small_top_k and the vocabulary shards mirror this buffer bitwise.
+    width = vocab + vocab % 2
     weights = torch.empty(batch, width, dtype=dtype, device=logits.device)
     if width > vocab:
         weights[:, vocab:] = 0.0

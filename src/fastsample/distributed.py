@@ -466,8 +466,8 @@ def _radix_threshold(
     (``by="count"``) or ``target`` times the total mass (``by="share"``: the total is read off
     the first round's histogram, which holds every weight in ``[0, 1]``).
 
-    ``values``: ``(B, even width)`` contiguous weights in ``[0, 1]`` (extra zero columns only
-    add entries of weight 0, which no threshold of a valid row depends on). One SUM all-reduce
+    ``values``: ``(B, width)`` contiguous weights in ``[0, 1]`` (a padding zero column only
+    adds an entry of weight 0, which no threshold of a valid row depends on). One SUM all-reduce
     of a ``(B, 2**width)`` histogram per round; the rounds of
     :data:`~fastsample._shard.RADIX_ROUNDS` cover the bit patterns of weights in ``[0, 1]``.
     """
@@ -505,8 +505,8 @@ def _grid_total(sums: Tensor, layout: Layout) -> Tensor:
 
 def _cuts(comm: _Comm, buffer: Tensor, call: _Call, maxima: Tensor) -> Tensor | None:
     """The global per-row threshold ``max(cut_k, cut_p, cut_min)`` (as in
-    ``fastsample.controls._cuts``), or None when no control cuts. ``buffer`` is the even-width
-    weight buffer of :func:`~fastsample._shard.shard_weights`."""
+    ``fastsample.controls._cuts``), or None when no control cuts. ``buffer`` is the weight
+    buffer of :func:`~fastsample._shard.shard_weights`."""
     controls, layout = call.controls, call.layout
     weights = buffer[:, : layout.width]
     batch = weights.shape[0]
