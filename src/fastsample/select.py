@@ -115,10 +115,9 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     Args:
         values: ``(B, V)`` contiguous float32 or float64, non-negative (``-0.0`` counts as
             0). Rows with NaN or negative entries give an arbitrary ``t`` (never an error).
-        target: ``(B,)`` float64, ``0 < target <= Q(0)`` (for ``"share"``: ``0 < target <=
-            1``). A larger target gives ``t`` at
-            or below the row's smallest bucket; ``target <= 0`` gives the largest pattern:
-            callers mask rows whose control is off.
+        target: ``(B,)`` float64, ``0 < target <= Q(0)`` (for ``"share"``: a fraction in
+            ``(0, 1]``). A larger target gives ``t`` at or below the row's smallest bucket;
+            ``target <= 0`` gives the largest pattern: callers mask rows whose control is off.
 
     Returns:
         ``(B,)`` threshold in ``values``' dtype, one of the row's values when
@@ -134,7 +133,8 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     batch, vocab = values.shape
     device, dtype = values.device, values.dtype
     digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
-    keys = key_scratch(values, piece_rows(batch, vocab * _KEY_BYTES[dtype], device, _CHUNK_BYTES))
+    key_bytes = 4 if key_dtype(dtype) == torch.int32 else 8
+    keys = key_scratch(values, piece_rows(batch, vocab * key_bytes, device, _CHUNK_BYTES))
     rows = keys.shape[0]
     # Entries outside the chosen bucket are clamped into 64 buckets below (dumps) or above it,
     # picked by column, so that no single bucket takes most of the adds.
@@ -169,19 +169,34 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
             target = target * sums.sum(-1)
         digit, above = descend(hist, target, above, sums)
         prefix = (prefix << width) | (digit - _GROUP).clamp_(0, (1 << width) - 1).to(keys.dtype)
-    return prefix.squeeze(1).view(dtype)
+    pattern = prefix.squeeze(1)
+    return (pattern if dtype == torch.float64 else pattern.to(torch.int32)).view(dtype)
 
 
-# Bytes per key: one integer per entry, as wide as its float (float32 patterns as int32,
-# which scatter_add_ takes as an index directly).
-_KEY_BYTES = {torch.float32: 4, torch.float64: 8}
+def _int32_index_dtype() -> torch.dtype:
+    """int32 if ``scatter_add_`` takes int32 indices (torch >= 2.8), else int64."""
+    try:
+        torch.zeros(1).scatter_add_(0, torch.zeros(1, dtype=torch.int32), torch.ones(1))
+    except RuntimeError:
+        return torch.int64
+    return torch.int32
+
+
+# The keys of float32 weights: their bit patterns as int32 where scatter_add_ takes int32
+# indices (half the bytes of int64 keys, and no widening op), else widened to int64 as they
+# are computed (slower, same buckets).
+_FLOAT32_KEYS = _int32_index_dtype()
+
+
+def key_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of :func:`add_digits`'s keys for weights of ``dtype``."""
+    return _FLOAT32_KEYS if dtype == torch.float32 else torch.int64
 
 
 def key_scratch(values: Tensor, rows: int) -> Tensor:
-    """An integer scratch for :func:`add_digits`: ``(min(rows, B), V)``, int32 for float32
-    ``values``, int64 for float64."""
+    """An integer scratch of :func:`key_dtype` for :func:`add_digits`: ``(min(rows, B), V)``."""
     batch, vocab = values.shape
-    dtype = torch.int32 if values.dtype == torch.float32 else torch.int64
+    dtype = key_dtype(values.dtype)
     return torch.empty(min(rows, batch), vocab, dtype=dtype, device=values.device)
 
 
@@ -209,7 +224,7 @@ def add_digits(
     makes a pattern negative: it lands below (shifted) or, wrapping around in the
     subtraction, above (unshifted), never on a digit of a valid prefix.
     """
-    patterns = values.view(keys.dtype)
+    patterns = values.view(torch.int32 if values.dtype == torch.float32 else torch.int64)
     if mask is not None:
         torch.bitwise_right_shift(patterns, shift, out=keys).bitwise_and_(mask)
     else:
