@@ -25,7 +25,8 @@ number of full-shape ops, no host sync, no data-dependent shape, and the
 result is an exact bit pattern, so ties are handled for free. Memory: one float table of
 ``B x (2**16 + 128)`` (less than the weights themselves for the rows that use it) and ~1 MiB
 of keys on CPU. A float32 weight's key is its pattern read as int32 (``scatter_add_`` takes
-int32 indices): two cheap ops per round (shift and mask, or subtract and clamp).
+int32 indices since torch 2.8; before, the keys are widened to int64): two cheap ops per
+round (shift and mask, or subtract and clamp).
 
 Why it is shaped this way (CPU, measured in ``docs/cpu-primitive-costs.md``): the
 ``scatter_add`` is the floor (~0.8 ns per entry on 2 cores, wherever the buckets are), so few
