@@ -796,6 +796,34 @@ def test_layout_owns_every_slot_once(monkeypatch):
         assert covered == vocab + vocab % 2
 
 
+@pytest.mark.parametrize("keys", ["int32", "int64"])
+@pytest.mark.parametrize("by", ["count", "mass"])
+def test_radix_histogram_counts_the_next_digit_of_the_prefix(keys, by, monkeypatch):
+    """One shard's histogram of a radix round against numpy: only patterns sharing the prefix
+    count, on their next digit; patterns below and above it (and -0.0) are left out. With
+    int64 keys (torch < 2.8) and int32 keys, in one- and several-row pieces."""
+    from fastsample import select
+
+    monkeypatch.setattr(select, "_FLOAT32_KEYS", getattr(torch, keys))
+    gen = torch.Generator().manual_seed(11)
+    values = torch.rand(5, 3001, generator=gen) ** 3
+    values[1, ::3] = 0.5  # many entries on one pattern
+    values[2, ::2] = -0.0
+    shift, width = 10, 10
+    patterns = values.view(torch.int32).numpy().astype(np.int64)  # -0.0 is negative
+    prefix = torch.tensor(patterns[:, 7] >> (shift + width))[:, None]  # some entry's prefix
+    for rows in (1, 2, 5):
+        scratch = select.key_scratch(values, rows)
+        got = _shard.radix_histogram(values, scratch, prefix, shift, width, torch.float64, by)
+        for r in range(values.shape[0]):
+            row = patterns[r]
+            inside = (row >= 0) & ((row >> (shift + width)) == int(prefix[r]))
+            digits = (row[inside] >> shift) & ((1 << width) - 1)
+            amount = np.ones(inside.sum()) if by == "count" else values[r].numpy()[inside]
+            want = np.bincount(digits, weights=amount, minlength=1 << width)
+            np.testing.assert_allclose(got[r].numpy(), want, rtol=1e-6, atol=0)
+
+
 def test_bench_distributed_runs(tmp_path, capsys):
     """``python -m fastsample bench --distributed 2`` on a tiny case: every row, the ratio and
     the bytes (the real figures are in BENCHMARKS.md)."""
