@@ -434,6 +434,25 @@ def test_garbage_never_gives_out_of_range_ids():
 # ----------------------------------------------------------------------------- reproducibility
 
 
+@pytest.mark.parametrize("vocab", [300, 2048, 40_000])
+def test_empty_batch_with_every_control(vocab):
+    """A batch of 0 rows (an engine step with no sampling request) runs every stage, radix
+    selections included, and returns empty results."""
+    none = torch.zeros(0)
+    settings = (
+        {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
+        {"top_p": 0.9},
+        {"top_k": 2000, "min_p": 0.1},
+        {"temperature": none, "top_k": none.long(), "top_p": none + 1, "min_p": none},
+    )
+    for logits in (torch.zeros(0, vocab), None):
+        probs = None if logits is not None else torch.zeros(0, vocab)
+        for controls in settings:
+            out = fs.sample(logits, probs, num_samples=2, top_logprobs=3, **controls)
+            assert out.token_ids.shape == (0, 2) and out.valid.shape == (0,)
+            assert fs.process(logits, probs, **controls).shape == (0, vocab)
+
+
 def test_seeded_rows_are_batch_invariant():
     xs, controls = make_batch(900, 40, seed=17)
     x = torch.tensor(xs, dtype=torch.float32)

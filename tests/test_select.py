@@ -108,6 +108,15 @@ def test_threshold_keeps_ties_and_survives_garbage(wide, monkeypatch):
             assert got[0] == 0.5
 
 
+@pytest.mark.parametrize("vocab", [1000, 40_000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_empty_batch(vocab, dtype):
+    for by in ("count", "mass", "share"):
+        empty = torch.zeros(0, vocab, dtype=dtype)
+        got = descending_threshold(empty, torch.zeros(0, dtype=torch.float64), by)
+        assert got.shape == (0,) and got.dtype == dtype
+
+
 @pytest.mark.parametrize("keys", [None, torch.int64])
 @pytest.mark.parametrize("rounds", ["short", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

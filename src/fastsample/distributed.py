@@ -680,8 +680,9 @@ def _sample(comm: _Comm, call: _Call) -> SampleOutput:
         greedy_ids = candidate.amin(0).long().clamp_(0, layout.vocab - 1)[:, None]
         greedy_genuine = torch.ones_like(greedy_ids, dtype=torch.bool)
     elif greedy_possible:
-        values = table[:, :, 2 : 2 + n].permute(1, 0, 2).reshape(batch, -1)
-        ids = table[:, :, 2 + n : 2 + 2 * n].permute(1, 0, 2).reshape(batch, -1)
+        width = table.shape[0] * n  # every rank's n largest (explicit: batch may be 0)
+        values = table[:, :, 2 : 2 + n].permute(1, 0, 2).reshape(batch, width)
+        ids = table[:, :, 2 + n : 2 + 2 * n].permute(1, 0, 2).reshape(batch, width)
         # n largest, ties by the lower global id: order by id, then stably by value.
         by_id = ids.argsort(dim=1)
         values, ids = values.gather(1, by_id), ids.gather(1, by_id)

@@ -135,8 +135,8 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     device, dtype = values.device, values.dtype
     digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
     key_bytes = 4 if key_dtype(dtype) == torch.int32 else 8
-    keys = key_scratch(values, piece_rows(batch, vocab * key_bytes, device, _CHUNK_BYTES))
-    rows = keys.shape[0]
+    rows = piece_rows(batch, vocab * key_bytes, device, _CHUNK_BYTES)
+    keys = key_scratch(values, rows)
     # Entries outside the chosen bucket are clamped into 64 buckets below (dumps) or above it,
     # picked by column, so that no single bucket takes most of the adds.
     dump = (torch.arange(vocab, device=device, dtype=keys.dtype) & (_GROUP - 1))[None, :]
@@ -430,7 +430,7 @@ def candidate_entries(values: Tensor, num: int, maxima: Tensor | None = None) ->
         best = torch.topk(content, num, dim=1)
         positions = best.indices
     else:
-        groups = content.view(batch, -1, _TOP_GROUP)
+        groups = content.view(batch, content.shape[1] // _TOP_GROUP, _TOP_GROUP)
         group_maxima = groups.amax(-1)
         chosen = torch.topk(group_maxima, min(num, group_maxima.shape[1]), dim=1, sorted=False)
         picked = groups.gather(1, chosen.indices[:, :, None].expand(-1, -1, _TOP_GROUP))
@@ -456,7 +456,8 @@ def _block_content(values: Tensor, blocks: Tensor) -> Tensor:
         # Rows of a (B * full, BLOCK) view: one index_select, ~2x faster than indexing the
         # (B, full, BLOCK) view with a row and a block index.
         flat = blocks + torch.arange(0, batch * full, full, device=values.device)[:, None]
-        return values.view(batch * full, BLOCK).index_select(0, flat.flatten()).view(batch, -1)
+        picked = values.view(batch * full, BLOCK).index_select(0, flat.flatten())
+        return picked.view(batch, blocks.shape[1] * BLOCK)
     rows = torch.arange(batch, device=values.device)[:, None]
     whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
     content = whole[rows, blocks.clamp_max(full - 1)]

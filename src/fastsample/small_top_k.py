@@ -158,7 +158,7 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     torch.ge(found.content, x_low[:, None], out=kept)
     kept.mul_(tie_weight[:, None])
     kept = kept.scatter_(1, found.positions, keep(candidates.clone()))
-    kept = kept.view(batch, -1, BLOCK)
+    kept = kept.view(batch, found.content.shape[1] // BLOCK, BLOCK)
     candidate_sums = kept.sum(-1)
     last, tail = divmod(width, BLOCK)
     if tail:  # a short last block is summed over its own entries only, as block_sums does
