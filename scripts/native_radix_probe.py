@@ -21,10 +21,8 @@ On the 2-core machine of BENCHMARKS.md (2026-12-01, three runs): eager radix 18-
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+from fused_exp_probe import _median_ms  # the sibling probe's timer (scripts/ is on the path)
 from torch.utils.cpp_extension import load_inline
 
 from fastsample import select
@@ -93,17 +91,6 @@ void radix_round(torch::Tensor hist, torch::Tensor values, torch::Tensor prefix,
   });
 }
 """
-
-
-def _median_ms(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def native_threshold(
