@@ -176,8 +176,10 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
 
 def _int32_index_dtype() -> torch.dtype:
     """int32 if ``scatter_add_`` takes int32 indices (torch >= 2.8), else int64."""
+    cpu = torch.device("cpu")  # whatever default device the importer has set
     try:
-        torch.zeros(1).scatter_add_(0, torch.zeros(1, dtype=torch.int32), torch.ones(1))
+        index = torch.zeros(1, dtype=torch.int32, device=cpu)
+        torch.zeros(1, device=cpu).scatter_add_(0, index, torch.ones(1, device=cpu))
     except RuntimeError:
         return torch.int64
     return torch.int32
