@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .controls import Controls
+from .controls import Controls, compute_dtype, logit_weights_, prob_weights_
 from .inverse_cdf import BLOCK, block_sums
 from .select import add_digits
 
@@ -100,10 +100,6 @@ def make_layout(start: int, local: int, vocab: int, rank: int, world: int) -> La
 # ---------------------------------------------------------------------------- weights
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def shard_weights(
     logits: Tensor | None,
     probs: Tensor | None,
@@ -116,9 +112,9 @@ def shard_weights(
     float64) and the global finiteness flag ``finite``: a contiguous ``(B, layout.width)``
     buffer (a zero column past ``V_local`` on the shard that ends an odd vocabulary).
 
-    Same ops, in the same order and dtypes, as the single-process
-    ``fastsample.controls._weights_from_logits``/``_weights_from_probs``, so that each weight
-    is bitwise the single-process weight of the same global entry:
+    The single-process formulas (:func:`fastsample.controls.logit_weights_` and
+    :func:`~fastsample.controls.prob_weights_`), so that each weight is bitwise the
+    single-process weight of the same global entry:
     logits: ``exp((x - max) / T)``; probabilities: ``(p / max p)^(1/T)``, or ``p`` itself when
     nothing is cut and no temperature applies (the single-process no-copy case).
     """
@@ -130,18 +126,10 @@ def shard_weights(
     top = best.to(dtype)
     width = layout.width
     if logits is not None:
-        shift = torch.where(finite, top, 0.0)
         weights = torch.empty(batch, width, dtype=dtype, device=source.device)
         if width > local:
             weights[:, local:] = 0.0
-        out = weights[:, :local]
-        torch.sub(logits, shift[:, None], out=out)
-        if isinstance(temperature, Tensor):
-            usable = (temperature > 0) & (temperature < math.inf)
-            out.div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None])
-        elif temperature is not None and temperature != 0.0:
-            out.div_(temperature)
-        out.exp_()
+        logit_weights_(weights[:, :local], logits, torch.where(finite, top, 0.0), temperature)
         return weights
     assert probs is not None
     # The single-process sampler skips the copy under exactly these conditions (its vocabulary
@@ -154,13 +142,7 @@ def shard_weights(
     ):
         return probs.contiguous()
     weights = torch.zeros(batch, width, dtype=dtype, device=probs.device)
-    out = weights[:, :local]
-    torch.div(probs, torch.where(finite, top, 1.0)[:, None], out=out)
-    if isinstance(temperature, Tensor):
-        usable = (temperature > 0) & (temperature < math.inf)
-        out.log_().div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None]).exp_()
-    elif temperature is not None and temperature != 0.0:
-        out.log_().div_(temperature).exp_()
+    prob_weights_(weights[:, :local], probs, torch.where(finite, top, 1.0), temperature)
     return weights
 
 

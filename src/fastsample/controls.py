@@ -176,8 +176,42 @@ class Processed(NamedTuple):
     maxima: Tensor | None
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of weights and cuts: float64 for float64 input, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def divide_by_temperature_(out: Tensor, temperature: float | Tensor | None) -> Tensor:
+    """``out /= T`` in place, per row; greedy rows (``T == 0``) and bad tensor values use
+    ``T = 1`` (they are resolved later), a Python ``None`` or ``0`` leaves ``out`` alone."""
+    if isinstance(temperature, Tensor):
+        usable = (temperature > 0) & (temperature < math.inf)
+        out.div_(torch.where(usable, temperature, 1.0).to(out.dtype)[:, None])
+    elif temperature is not None and temperature != 0.0:
+        out.div_(temperature)
+    return out
+
+
+def logit_weights_(out: Tensor, logits: Tensor, shift: Tensor, temperature: Control) -> Tensor:
+    """``out = exp((logits - shift[:, None]) / T)``, the one formula of weights from logits.
+
+    The general path, the small-``top_k`` path and the vocabulary shards all call this, so a
+    logit gets bitwise the same weight on each (sub, then div, then exp, in ``out``'s dtype).
+    """
+    torch.sub(logits, shift[:, None], out=out)
+    return divide_by_temperature_(out, temperature).exp_()  # type: ignore[arg-type]
+
+
+def prob_weights_(out: Tensor, probs: Tensor, scale: Tensor, temperature: Control) -> Tensor:
+    """``out = (probs / scale[:, None])^(1/T)``, the one formula of weights from
+    probabilities (no power for ``T`` None or a Python 0), shared like :func:`logit_weights_`.
+    """
+    torch.div(probs, scale[:, None], out=out)
+    if temperature is None or (not isinstance(temperature, Tensor) and temperature == 0.0):
+        return out
+    # (p / max p)^(1/T) as exp(log(.) / T): torch's CPU pow rounds the same input differently
+    # in the vectorized body and the tail of its loop, which would split ties.
+    return divide_by_temperature_(out.log_(), temperature).exp_()  # type: ignore[arg-type]
 
 
 def _weights_from_logits(
@@ -186,26 +220,17 @@ def _weights_from_logits(
     """``exp((x - max) / T)`` into an even-width buffer (a zero column past an odd
     vocabulary); returns it, its row maximum (1 except for bad rows) and the finite-row flag."""
     batch, vocab = logits.shape
-    dtype = _compute_dtype(logits.dtype)
+    dtype = compute_dtype(logits.dtype)
     best = maxima.amax(-1).to(dtype)
     # NaN fails both comparisons; a +inf maximum is a bad row, a -inf one has nothing left.
     finite = (best > -math.inf) & (best < math.inf)
-    shift = torch.where(finite, best, 0.0)
     # Even: the radix once read float32 pairs as int64 and no longer needs it, but the block
     # layouts of small_top_k and the vocabulary shards mirror this buffer bitwise.
     width = vocab + vocab % 2
     weights = torch.empty(batch, width, dtype=dtype, device=logits.device)
     if width > vocab:
         weights[:, vocab:] = 0.0
-    out = weights[:, :vocab]
-    torch.sub(logits, shift[:, None], out=out)
-    if isinstance(temperature, Tensor):
-        # Greedy rows (T == 0) and bad values use T = 1 here; they are resolved later.
-        usable = (temperature > 0) & (temperature < math.inf)
-        out.div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None])
-    elif temperature is not None and temperature != 0.0:
-        out.div_(temperature)
-    out.exp_()
+    logit_weights_(weights[:, :vocab], logits, torch.where(finite, best, 0.0), temperature)
     return weights, torch.ones_like(best), finite
 
 
@@ -215,7 +240,7 @@ def _weights_from_probs(
     """``(p / max p)^(1/T)`` (or ``p`` itself); returns the weights, their row maximum and
     the row-validity flag (no NaN, inf or negative entry, positive finite total)."""
     batch, vocab = probs.shape
-    dtype = _compute_dtype(probs.dtype)
+    dtype = compute_dtype(probs.dtype)
     smallest = probs.amin(-1).to(dtype)
     best = probs.amax(-1).to(dtype)
     finite = (smallest >= 0) & (best > 0) & (best < math.inf)
@@ -223,19 +248,9 @@ def _weights_from_probs(
         return probs.contiguous(), best, finite
     width = vocab + vocab % 2
     weights = torch.zeros(batch, width, dtype=dtype, device=probs.device)
-    out = weights[:, :vocab]
     # Copies that will be cut are normalized to a largest weight of 1 (same cost as a copy),
     # so dividing by a cut can never overflow.
-    torch.div(probs, torch.where(finite, best, 1.0)[:, None], out=out)
-    if temperature is None:
-        return weights, torch.ones_like(best), finite
-    # (p / max p)^(1/T) as exp(log(.) / T): torch's CPU pow rounds the same input differently
-    # in the vectorized body and the tail of its loop, which would split ties.
-    if isinstance(temperature, Tensor):
-        usable = (temperature > 0) & (temperature < math.inf)
-        out.log_().div_(torch.where(usable, temperature, 1.0).to(dtype)[:, None]).exp_()
-    elif temperature != 0.0:
-        out.log_().div_(temperature).exp_()
+    prob_weights_(weights[:, :vocab], probs, torch.where(finite, best, 1.0), temperature)
     return weights, torch.ones_like(best), finite
 
 

@@ -46,6 +46,7 @@ from .controls import (
     Controls,
     _as_rows,
     _top_p_cut_from_candidates,
+    logit_weights_,
 )
 from .inverse_cdf import BLOCK, inverse_cdf_draw
 from .noise import UniformSource
@@ -111,14 +112,11 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     maxima = block_maxima(logits)
     best = maxima.amax(-1).to(torch.float32)
     finite = (best > -math.inf) & (best < math.inf)
-    shift = torch.where(finite, best, 0.0)[:, None]
+    shift = torch.where(finite, best, 0.0)
 
-    def weigh(x: Tensor) -> Tensor:
-        # The general path's ops, in its order: sub, div (if a temperature), exp.
-        w = torch.sub(x, shift)
-        if temperature is not None:
-            w.div_(temperature)
-        return w.exp_()
+    def weigh(x: Tensor) -> Tensor:  # the general path's formula, on a few columns
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return logit_weights_(out, x, shift, temperature)
 
     found = candidate_entries(logits, controls.top_k, maxima)
     candidates = torch.where(found.values > -math.inf, weigh(found.values), 0.0)
