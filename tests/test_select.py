@@ -71,6 +71,16 @@ def _near_boundary(row: np.ndarray, target: torch.Tensor) -> bool:
     return bool(np.min(np.abs(np.cumsum(ranked) - float(target))) < 1e-6 * ranked.sum())
 
 
+def test_int32_keys_only_on_cpu(monkeypatch):
+    """int32 radix keys were measured on CPU only; other devices keep int64 keys."""
+    monkeypatch.setattr(select_module, "_FLOAT32_KEYS", torch.int32)
+    assert select_module.key_dtype(torch.float32, torch.device("cpu")) == torch.int32
+    assert select_module.key_dtype(torch.float32, torch.device("cuda")) == torch.int64
+    assert select_module.key_dtype(torch.float64, torch.device("cpu")) == torch.int64
+    monkeypatch.setattr(select_module, "_FLOAT32_KEYS", torch.int64)  # torch < 2.8
+    assert select_module.key_dtype(torch.float32, torch.device("cpu")) == torch.int64
+
+
 def test_wide_digits_on_a_long_row_match_sorting():
     """Rows of at least 32,768 entries take the two 16-bit rounds, in chunks of rows."""
     assert select_module._WIDE_FROM <= 40_000

@@ -134,7 +134,7 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     batch, vocab = values.shape
     device, dtype = values.device, values.dtype
     digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
-    key_bytes = 4 if key_dtype(dtype) == torch.int32 else 8
+    key_bytes = 4 if key_dtype(dtype, device) == torch.int32 else 8
     rows = piece_rows(batch, vocab * key_bytes, device, _CHUNK_BYTES)
     keys = key_scratch(values, rows)
     # Entries outside the chosen bucket are clamped into 64 buckets below (dumps) or above it,
@@ -185,21 +185,28 @@ def _int32_index_dtype() -> torch.dtype:
     return torch.int32
 
 
-# The keys of float32 weights: their bit patterns as int32 where scatter_add_ takes int32
-# indices (half the bytes of int64 keys, and no widening op), else widened to int64 as they
-# are computed (slower, same buckets).
+# The keys of float32 weights on CPU: their bit patterns as int32 where scatter_add_ takes
+# int32 indices (half the bytes of int64 keys, and no widening op), else widened to int64 as
+# they are computed (slower, same buckets).
 _FLOAT32_KEYS = _int32_index_dtype()
 
 
-def key_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype of :func:`add_digits`'s keys for weights of ``dtype``."""
-    return _FLOAT32_KEYS if dtype == torch.float32 else torch.int64
+def key_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The integer dtype of :func:`add_digits`'s keys for weights of ``dtype`` on ``device``.
+
+    int32 keys are a CPU measurement (fewer bytes and ops per round there); other devices get
+    int64 keys, the layout every torch version's ``scatter_add_`` takes, until a run on them
+    shows that int32 indices work and pay.
+    """
+    if dtype == torch.float32 and device.type == "cpu":
+        return _FLOAT32_KEYS
+    return torch.int64
 
 
 def key_scratch(values: Tensor, rows: int) -> Tensor:
     """An integer scratch of :func:`key_dtype` for :func:`add_digits`: ``(min(rows, B), V)``."""
     batch, vocab = values.shape
-    dtype = key_dtype(values.dtype)
+    dtype = key_dtype(values.dtype, values.device)
     return torch.empty(min(rows, batch), vocab, dtype=dtype, device=values.device)
 
 
