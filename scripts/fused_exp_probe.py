@@ -72,12 +72,18 @@ def _median_ms(fn, repeats: int = 40) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
+def _vector_flags() -> list[str]:
+    """Compiler flags for a kernel using ATen's CPU vectors at torch's own capability."""
     flags = ["-O3", "-march=native", "-fopenmp"]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # ATen's vectors need the macro
         flags += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     elif torch.backends.cpu.get_cpu_capability() == "AVX2":
         flags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags
+
+
+def main() -> None:
+    flags = _vector_flags()
     variants = ["divide_exp", "multiply_exp", "multiply_exp_u20"]
     module = load_inline(
         "fastsample_fused_exp_probe",

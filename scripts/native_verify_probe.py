@@ -16,10 +16,8 @@ same summaries, and prints both, with ``verify_chain`` itself, in read passes of
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+from fused_exp_probe import _median_ms, _vector_flags  # the sibling probe's (scripts/ on path)
 from torch.utils.cpp_extension import load_inline
 
 import fastsample
@@ -81,28 +79,12 @@ std::vector<torch::Tensor> residual_summary(torch::Tensor target, torch::Tensor 
 """
 
 
-def _median_ms(fn, repeats: int = 40) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
-    flags = ["-O3", "-march=native", "-fopenmp"]
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # ATen's vectors need the macro
-        flags += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    elif torch.backends.cpu.get_cpu_capability() == "AVX2":
-        flags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     module = load_inline(
         "fastsample_native_verify_probe",
         cpp_sources=KERNEL,
         functions=["residual_summary"],
-        extra_cflags=flags,
+        extra_cflags=_vector_flags(),
         extra_ldflags=["-fopenmp"],
     )
     batch, k, vocab = 64, 4, 128256  # bench --verify's case
