@@ -68,6 +68,20 @@ def test_json_has_machine_info(saved):
     assert saved["settings"]["grid"] == [[2, 1000, "float32"]]
 
 
+def test_last_level_cache_is_the_highest_level(monkeypatch, tmp_path):
+    """The largest cache names what a read pass reads from (sysfs layout of Linux)."""
+    caches = (("index0", 1, "48K"), ("index2", 2, "2048K"), ("index3", 3, "32768K"))
+    for name, level, size in caches:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(f"{level}\n")
+        (tmp_path / name / "size").write_text(f"{size}\n")
+    (tmp_path / "index9").mkdir()  # unreadable entries are skipped
+    monkeypatch.setattr(bench.glob, "glob", lambda _: sorted(map(str, tmp_path.iterdir())))
+    assert bench.last_level_cache() == "L3 32 MiB"
+    monkeypatch.setattr(bench.glob, "glob", lambda _: [])
+    assert bench.last_level_cache() is None
+
+
 def test_cpu_memory_measurement_matches_known_allocations():
     # eager race: the noise and the quotient are each one input-sized float32 tensor; the
     # read pass allocates only its (B,) output, which is live at the end and not counted.

@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --vocab must be at least the world size")
     info = bench.machine_info(torch.device("cpu"))
     print(
-        f"fastsample bench --distributed {world}: torch {info['torch']}, {info['cpu_model']}, "
+        f"fastsample bench --distributed {world}: torch {info['torch']}, {info['device_name']}, "
         f"{info['cpu_count']} cores, gloo on loopback, {world} processes x "
         f"{max(1, (os.cpu_count() or 1) // world)} threads; float32 logits "
         f"B={opts['batch']} V={opts['vocab']}; median of {opts['repeats']} calls "
