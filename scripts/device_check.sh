@@ -25,6 +25,9 @@ timeout 200 python -m pytest -q -rs tests/test_verify.py -k "cuda" 2>&1 \
 timeout 200 python -m pytest -q -rs tests/test_small_top_k.py -k "cuda" 2>&1 \
     | tee "$OUT/cuda-tests-small-top-k.txt" || status=1
 
+# Do int32 radix keys (CPU only so far) work and pay on CUDA? Bitwise check and timing.
+timeout 120 python scripts/cuda_radix_keys_probe.py 2>&1 | tee "$OUT/cuda-radix-keys.txt" || status=1
+
 timeout 120 python -m fastsample selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.txt" || status=1
 
 timeout 300 python -m fastsample bench --device cuda --json "$OUT/bench-cuda.json" \
