@@ -28,8 +28,8 @@ which randomness enters, ``seeds.py`` and ``philox.py`` its counter-based source
 
 from . import distributed
 from .controls import process
+from .ops.seeds import Stream, advance_step
 from .sampling import SampleOutput, fast_sample, sample, sample_from_probs
-from .seeds import Stream, advance_step
 from .verify import TokenTree, TreeVerifyOutput, VerifyOutput, verify_chain, verify_tree
 
 __all__ = [

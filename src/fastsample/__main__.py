@@ -19,7 +19,7 @@ from types import ModuleType
 
 def _commands() -> list[tuple[str, str, ModuleType]]:
     """``(name, one-line help, module)`` for each subcommand, in help order."""
-    from . import bench, selfcheck
+    from .tools import bench, selfcheck
 
     return [
         ("bench", "time fastsample against torch.multinomial and one read pass", bench),

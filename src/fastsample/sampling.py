@@ -15,14 +15,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _validation as v
-from . import small_top_k
-from .controls import Processed, check_controls, check_source, processed_weights
-from .inverse_cdf import inverse_cdf_draw, row_summaries
-from .noise import UniformSource
-from .race import race_draw, repeat_last_genuine
-from .seeds import make_source
-from .select import block_maxima, first_in_block, top_entries
+from .controls import Processed, processed_weights
+from .ops import small_top_k
+from .ops import validation as v
+from .ops.inverse_cdf import inverse_cdf_draw, row_summaries
+from .ops.noise import UniformSource
+from .ops.race import race_draw, repeat_last_genuine
+from .ops.seeds import make_source
+from .ops.select import block_maxima, first_in_block, top_entries
+from .ops.validation import check_controls, check_source
 
 
 class SampleOutput(NamedTuple):

@@ -1,4 +1,4 @@
-"""Exact order statistics (fastsample.select) against sorting, including ties and garbage."""
+"""Exact order statistics (fastsample.ops.select) against sorting, including ties and garbage."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import fastsample.select as select_module
-from fastsample.select import (
+import fastsample.ops.select as select_module
+from fastsample.ops.select import (
     _bisect_threshold,
     descending_threshold,
     first_argmax,

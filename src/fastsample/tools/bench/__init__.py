@@ -64,7 +64,7 @@ from typing import Any, TextIO
 import torch
 from torch import Tensor
 
-from .sampling import fast_sample, sample_from_probs
+from ...sampling import fast_sample, sample_from_probs
 
 READ_PASS = "read_pass"
 MULTINOMIAL = "torch.multinomial"
@@ -802,15 +802,15 @@ def run_bench(
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m fastsample bench``."""
     if getattr(args, "verify", False):
-        from .bench_verify import run_verify
+        from .verify import run_verify
 
         return run_verify(args)
     if args.distributed is not None:
-        from . import bench_distributed
+        from . import distributed as bench_distributed
 
         return bench_distributed.run(args)
     if args.controls:
-        from . import bench_controls
+        from . import controls as bench_controls
 
         return bench_controls.run(args)
     if args.plot:

@@ -32,9 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .controls import process
-from .sampling import fast_sample, sample, sample_from_probs
-from .seeds import advance_step
+from ..controls import process
+from ..ops.seeds import advance_step
+from ..sampling import fast_sample, sample, sample_from_probs
 
 ALPHA = 1e-6
 DESCRIPTION = (__doc__ or "").strip()

@@ -22,8 +22,9 @@ import torch._dynamo
 import torch._inductor.config
 
 import fastsample as fs
-from fastsample import _verify_draw
+import fastsample.ops.seeds
 from fastsample import verify as verify_mod
+from fastsample.verify import draw as _verify_draw
 from stattests import ALPHA, _normal_isf, assert_law, law_rejected
 
 NAN, INF = float("nan"), float("inf")
@@ -600,7 +601,7 @@ def test_uniform_streams_and_counters():
     a9, r9, b9 = verify_mod._uniforms(source, 5, 20_000 // 5 + 1)  # the two-call layout
     assert torch.equal(a9[:, :4], a4) and torch.equal(r9, r4) and torch.equal(b9, b4)
     for stream, u in ((fs.Stream.ACCEPT, a4), (fs.Stream.RECOVERY, r4), (fs.Stream.BONUS, b4)):
-        direct = fs.seeds.CounterSource(
+        direct = fastsample.ops.seeds.CounterSource(
             torch.arange(5), torch.full((5,), 9), torch.full((5,), stream)
         )
         assert torch.equal(direct.row_uniforms(u.shape[1]), u)
@@ -1197,7 +1198,7 @@ def test_bench_verify_runs_and_saves_json(tmp_path, capsys):
     assert names[:3] == ["read_pass", "gather", "reference"] and "fs.verify_chain" in names
     assert all(r["median_ms"] > 0 and r["speedup_vs_reference"] > 0 for r in rows)
     assert "fs.verify_tree b" in capsys.readouterr().out
-    from fastsample.bench_verify import make_case, reference_verify
+    from fastsample.tools.bench.verify import make_case, reference_verify
 
     case = make_case(3, 2, 50, "float32", torch.device("cpu"))
     accepted, token = reference_verify(case.target, case.draft, case.tokens)

@@ -83,9 +83,31 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _validation as v
-from ._pieces import piece_rows
-from ._shard import (
+from ..ops import validation as v
+from ..ops.cuts import (
+    as_rows,
+    count_equal,
+    keep_at_least,
+    predecessor,
+    top_p_cut_from_candidates,
+)
+from ..ops.noise import UniformSource
+from ..ops.pieces import piece_rows
+from ..ops.race import repeat_last_genuine
+from ..ops.seeds import make_source
+from ..ops.select import (
+    CANDIDATE_MAX_K,
+    block_maxima,
+    descend,
+    first_argmax,
+    key_scratch,
+    largest_entries,
+    top_entries,
+)
+from ..ops.validation import Controls, check_controls, check_source
+from ..ops.weights import controls_in_range
+from ..sampling import SampleOutput
+from .shard import (
     RADIX_PIECE_BYTES,
     RADIX_ROUNDS,
     Layout,
@@ -94,30 +116,6 @@ from ._shard import (
     radix_histogram,
     shard_weights,
     slot_sums,
-)
-from .controls import (
-    Controls,
-    _as_rows,
-    _controls_in_range,
-    _predecessor,
-    _top_p_cut_from_candidates,
-    check_controls,
-    check_source,
-    count_equal,
-    keep_at_least,
-)
-from .noise import UniformSource
-from .race import repeat_last_genuine
-from .sampling import SampleOutput
-from .seeds import make_source
-from .select import (
-    CANDIDATE_MAX_K,
-    block_maxima,
-    descend,
-    first_argmax,
-    key_scratch,
-    largest_entries,
-    top_entries,
 )
 
 __all__ = ["Collective", "Traffic", "record_traffic", "sample"]
@@ -526,7 +524,7 @@ def _cuts(comm: _Comm, buffer: Tensor, call: _Call, maxima: Tensor) -> Tensor | 
         candidates = merged.topk(k, dim=1).values
         cut = candidates[:, -1]
     elif k is not None:
-        k_rows = _as_rows(k, batch, f64)
+        k_rows = as_rows(k, batch, f64)
         cut = _radix_threshold(comm, buffer, k_rows, "count", layout)
         cut = torch.where((k_rows > 0) & (k_rows < layout.vocab), cut, 0.0)
     if controls.top_p is not None:
@@ -537,17 +535,17 @@ def _cuts(comm: _Comm, buffer: Tensor, call: _Call, maxima: Tensor) -> Tensor | 
             ties = comm.all_reduce(count_equal(buffer, cut), "sum")
             strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
             mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
-            cut_p = _top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
+            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
         else:
             # Radix on the top-k survivors: above cut_k their upper sets are the weights' own.
             survivors = buffer if cut is None else torch.where(buffer >= cut[:, None], buffer, 0)
-            p = _as_rows(controls.top_p, batch, f64)
+            p = as_rows(controls.top_p, batch, f64)
             cut_p = _radix_threshold(comm, survivors, p, "share", layout)
             cut_p = torch.where(p < 1, cut_p, 0.0)
         cut = cut_p if cut is None else torch.maximum(cut, cut_p)
     if controls.min_p is not None:
         # Relative to the global maximum, which is 1 after the shift by the global maximum.
-        cut_min = _as_rows(controls.min_p, batch, f64).to(weights.dtype)
+        cut_min = as_rows(controls.min_p, batch, f64).to(weights.dtype)
         cut = cut_min if cut is None else torch.maximum(cut, cut_min)
     return cut
 
@@ -706,13 +704,13 @@ def _sample(comm: _Comm, call: _Call) -> SampleOutput:
     # 2. Weights with the global maximum, the global cuts, then the slot masses.
     buffer = shard_weights(call.logits, call.probs, controls, top, finite, layout)
     weights = buffer[:, : layout.width]
-    valid = finite & _controls_in_range(controls, batch, device)
+    valid = finite & controls_in_range(controls, batch, device)
     only_min_p = controls.top_k is None and controls.top_p is None
     if only_min_p and isinstance(controls.min_p, float) and is_logits:
         # As one process: every row's largest weight is exactly 1, so the cut is one number
         # for the batch, kept as w > its predecessor, in place, no division.
-        predecessor = _predecessor(controls.min_p, weights.dtype)
-        torch.nn.functional.threshold_(buffer, predecessor, 0.0)
+        below = predecessor(controls.min_p, weights.dtype)
+        torch.nn.functional.threshold_(buffer, below, 0.0)
     else:
         cut = _cuts(comm, buffer, call, maxima)
         if cut is not None:

@@ -29,8 +29,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._pieces import row_pieces as pieces_of_rows
-from .inverse_cdf import BLOCK, block_sums
+from ..ops.inverse_cdf import BLOCK, block_sums
+from ..ops.pieces import row_pieces as pieces_of_rows
 
 # CPU rows are gathered and reduced this many elements at a time (8 MiB of float32): the
 # pieces stay in cache and the allocator reuses them, where one (B, V) temporary per call

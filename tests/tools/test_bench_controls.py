@@ -8,8 +8,8 @@ import json
 import numpy as np
 import torch
 
-from fastsample import bench_controls
 from fastsample.__main__ import main
+from fastsample.tools.bench import controls as bench_controls
 from reference import reference_probs
 from stattests import assert_law
 

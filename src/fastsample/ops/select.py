@@ -53,8 +53,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._pieces import piece_rows
 from .inverse_cdf import BLOCK
+from .pieces import piece_rows
 
 # Digit widths per round (bits), most significant first; they cover every non-negative
 # pattern (31 bits for float32, 63 for float64). Wide digits mean fewer passes but a table of

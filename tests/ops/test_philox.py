@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from fastsample.philox import philox4x32, philox4x32_few
+from fastsample.ops.philox import philox4x32, philox4x32_few
 
 # Both layouts compute the same function; every exactness test runs on each.
 IMPLS = pytest.mark.parametrize("impl", [philox4x32, philox4x32_few], ids=["words", "few"])

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from fastsample.noise import GeneratorSource, exponential_from_uniform
+from fastsample.ops.noise import GeneratorSource, exponential_from_uniform
 
 
 def test_noise_is_finite_and_positive_at_the_grid_ends():

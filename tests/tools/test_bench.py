@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from fastsample import bench
 from fastsample.__main__ import build_parser, main
+from fastsample.tools import bench
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 TINY = ["bench", "--device", "cpu", "--batch", "2", "--vocab", "1000", "--dtype", "float32"]
 FAST = ["--warmup", "1", "--min-repeats", "3", "--repeats", "5", "--budget", "0.01"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

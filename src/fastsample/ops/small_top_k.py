@@ -39,19 +39,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._pieces import piece_rows
-from .controls import (
-    _BELOW_ONE,
-    _CUT_FLOOR,
-    Controls,
-    _as_rows,
-    _top_p_cut_from_candidates,
-    logit_weights_,
-)
+from .cuts import BELOW_ONE, CUT_FLOOR, as_rows, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw
 from .noise import UniformSource
+from .pieces import piece_rows
 from .seeds import _small_op_mode
 from .select import CANDIDATE_MAX_K, block_maxima, candidate_entries, order_key
+from .validation import Controls
+from .weights import logit_weights_
 
 # The counting pass works on pieces of this many logits (1 MiB of float32): its scratch stays
 # in cache, so the pass costs little more than reading the logits.
@@ -131,15 +126,15 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
         ties = counts.sum(-1, dtype=torch.float64) - (strictly_above > 0).sum(-1)
         mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut_k.to(torch.float64)
         cut = torch.maximum(
-            cut, _top_p_cut_from_candidates(candidates, cut_k, controls.top_p, mass)
+            cut, top_p_cut_from_candidates(candidates, cut_k, controls.top_p, mass)
         )
     if controls.min_p is not None:
         f64 = torch.zeros(batch, dtype=torch.float64, device=logits.device)
-        cut = torch.maximum(cut, _as_rows(controls.min_p, batch, f64).to(cut.dtype))
-    scale = cut.clamp_min(_CUT_FLOOR[torch.float32])[:, None]
+        cut = torch.maximum(cut, as_rows(controls.min_p, batch, f64).to(cut.dtype))
+    scale = cut.clamp_min(CUT_FLOOR[torch.float32])[:, None]
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
-        return torch.nn.functional.threshold_(w.div_(scale), _BELOW_ONE[torch.float32], 0.0)
+        return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
 
     def read(columns: Tensor) -> Tensor:
         w = weigh(logits.gather(1, columns.clamp_max(vocab - 1)))
@@ -151,7 +146,7 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     # (entries >= x_low), each scaled to exactly 1 when the final cut is cut_k itself (and
     # above the floor), else cut. So the candidate blocks' kept weights are that tie weight
     # where x >= x_low, with the k largest written over it: no exp over the blocks.
-    tie_weight = ((cut == cut_k) & (cut_k >= _CUT_FLOOR[torch.float32])).to(torch.float32)
+    tie_weight = ((cut == cut_k) & (cut_k >= CUT_FLOOR[torch.float32])).to(torch.float32)
     kept = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
     torch.ge(found.content, x_low[:, None], out=kept)
     kept.mul_(tie_weight[:, None])

@@ -98,8 +98,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _validation as v
-from ._verify_draw import (
+from ..ops import validation as v
+from ..ops.noise import GeneratorSource
+from ..ops.seeds import CounterSource, Stream, check_counter_args, make_source
+from .draw import (
     Weights,
     draw_residual,
     draw_target_without,
@@ -109,8 +111,6 @@ from ._verify_draw import (
     weight_values,
     work_dtype,
 )
-from .noise import GeneratorSource
-from .seeds import CounterSource, Stream, check_counter_args, make_source
 
 _INT_DTYPES = (torch.int64, torch.int32)
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import bench
-from .verify import TokenTree, verify_chain, verify_tree
+from ...verify import TokenTree, verify_chain, verify_tree
+from .. import bench
 
 DEFAULT_CASES = ((64, 4, 128256, "float32"),)
 QUICK_CASES = ((64, 4, 128256, "float32"),)

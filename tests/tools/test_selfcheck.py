@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fastsample import selfcheck
 from fastsample.__main__ import main
+from fastsample.tools import selfcheck
 
 CPU = torch.device("cpu")
 
@@ -48,7 +48,7 @@ def test_threshold_matches_scipy_where_available():
 
 
 def test_shortcut_check_fails_without_the_counting_pass(monkeypatch):
-    from fastsample import small_top_k
+    from fastsample.ops import small_top_k
 
     def candidates_only(logits, x_low):  # as if no tie lay outside the k best blocks
         return logits.new_zeros(logits.shape[0], -(-logits.shape[1] // 256))
@@ -59,7 +59,7 @@ def test_shortcut_check_fails_without_the_counting_pass(monkeypatch):
 
 
 def test_long_row_check_fails_when_the_radix_skips_its_second_round(monkeypatch):
-    from fastsample import select
+    from fastsample.ops import select
 
     first_round_only = select.add_digits
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .controls import Controls, compute_dtype, logit_weights_, prob_weights_
-from .inverse_cdf import BLOCK, block_sums
-from .select import add_digits
+from ..ops.inverse_cdf import BLOCK, block_sums
+from ..ops.select import add_digits
+from ..ops.validation import Controls
+from ..ops.weights import compute_dtype, logit_weights_, prob_weights_
 
 MAX_SLOTS = 1024
 """Most values per row that one collective carries (slot sums, histogram buckets)."""

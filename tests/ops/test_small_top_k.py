@@ -1,4 +1,4 @@
-"""The small static top_k path (fastsample.small_top_k) against the general path and the reference.
+"""The small static top_k path (fastsample.ops.small_top_k) against the general path and reference.
 
 The path must be invisible: for every row kind and control mix it draws bitwise what the
 general path draws (which test_controls holds to the float64 reference), and its own
@@ -17,8 +17,8 @@ import torch
 import torch._dynamo
 
 import fastsample as fs
-from fastsample import small_top_k
-from fastsample.controls import check_controls
+from fastsample.ops import small_top_k
+from fastsample.ops.validation import check_controls
 from reference import reference_probs, robust_top_p
 from stattests import law_rejected
 from test_controls import DRAWS, assert_sampler_exact, draw_counts

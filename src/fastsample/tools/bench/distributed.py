@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import bench
-from . import distributed as fsd
-from .sampling import sample
+from ... import distributed as fsd
+from ...sampling import sample
+from .. import bench
 
 SETTINGS: dict[str, str] = {
     "T=1 (plain)": "plain",

@@ -37,8 +37,8 @@ from typing import Any, TextIO
 import torch
 from torch import Tensor
 
-from . import bench
-from .sampling import sample
+from ...sampling import sample
+from .. import bench
 
 WARM_S = 0.005
 """Untimed calls of a contender before each of its timed calls, in seconds (at least one)."""

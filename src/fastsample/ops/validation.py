@@ -13,11 +13,16 @@ Two kinds of bad input, two policies (see README, "Bad input"):
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 METHODS = ("auto", "race", "inverse_cdf")
+
+Control = float | int | Tensor | None
 
 
 def check_probs_tensor(probs: object, name: str = "probs") -> Tensor:
@@ -152,3 +157,117 @@ def check_control_values(controls: object) -> None:
             if bool(bad.any()):
                 row = int(bad.nonzero()[0, 0])
                 raise ValueError(f"{name}[{row}] = {value[row].item()} {rule}")
+
+
+# ---------------------------------------------------------------------------- controls
+
+
+@dataclass(frozen=True)
+class Controls:
+    """Checked per-row controls: None (stage off), a Python number, or a ``(B,)`` tensor."""
+
+    temperature: float | Tensor | None = None
+    top_k: int | Tensor | None = None
+    top_p: float | Tensor | None = None
+    min_p: float | Tensor | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row is greedy (a Python ``temperature=0``): nothing to sample."""
+        return isinstance(self.temperature, float) and self.temperature == 0.0
+
+    @property
+    def filters(self) -> bool:
+        """At least one of top-k, top-p, min-p is on (or may be, for tensors)."""
+        return any(c is not None for c in (self.top_k, self.top_p, self.min_p))
+
+
+def _check_tensor(value: Tensor, name: str, batch: int, device: torch.device, kind: str) -> Tensor:
+    integral = not value.dtype.is_floating_point and value.dtype != torch.bool
+    if kind == "int" and not integral:
+        raise TypeError(f"{name} must be an integer tensor (int32/int64), got {value.dtype}")
+    if kind == "float" and not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {value.dtype}; use {name}.float()")
+    if value.device != device:
+        raise ValueError(
+            f"{name} is on {value.device} but the data is on {device}; move it with "
+            f"{name}.to('{device}') once, outside the sampling loop"
+        )
+    if value.dim() == 0:
+        return value.expand(batch)
+    if tuple(value.shape) != (batch,):
+        raise ValueError(
+            f"{name} must be a Python number or a tensor of shape ({batch},) (one per row), "
+            f"got shape {tuple(value.shape)}"
+        )
+    return value
+
+
+def _check_number(value: object, name: str, kind: str) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{name} must be None, a Python {'int' if kind == 'int' else 'float'} or a tensor "
+            f"of shape (batch,), got {type(value).__name__}"
+        )
+    if kind == "int" and not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (0 switches it off), got {value!r}")
+    if value != value or value in (math.inf, -math.inf):  # math.isfinite breaks dynamo
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_controls(
+    temperature: object,
+    top_k: object,
+    top_p: object,
+    min_p: object,
+    batch: int,
+    vocab: int,
+    device: torch.device,
+) -> Controls:
+    """Check the four controls before any work; Python off-values become None.
+
+    Raises ``TypeError``/``ValueError`` naming the control, its range and its off-value.
+    """
+    found: dict[str, float | int | Tensor | None] = {}
+    specs = (
+        ("temperature", temperature, "float", "temperature must be >= 0 (0 = greedy, 1 = off)"),
+        ("top_k", top_k, "int", "top_k must be >= 0 (0 or >= vocabulary size = off)"),
+        ("top_p", top_p, "float", "top_p must be in (0, 1] (1 = off)"),
+        ("min_p", min_p, "float", "min_p must be in [0, 1] (0 = off)"),
+    )
+    for name, value, kind, rule in specs:
+        if value is None:
+            found[name] = None
+        elif isinstance(value, Tensor):
+            found[name] = _check_tensor(value, name, batch, device, kind)
+        else:
+            number = _check_number(value, name, kind)
+            ok = {
+                "temperature": number >= 0,
+                "top_k": number >= 0,
+                "top_p": 0 < number <= 1,
+                "min_p": 0 <= number <= 1,
+            }[name]
+            if not ok:
+                raise ValueError(f"{rule}, got {number!r}")
+            off = {
+                "temperature": number == 1,
+                "top_k": number == 0 or number >= vocab,
+                "top_p": number == 1,
+                "min_p": number == 0,
+            }[name]
+            found[name] = None if off else (float(number) if kind == "float" else int(number))
+    return Controls(**found)  # type: ignore[arg-type]
+
+
+def check_source(logits: object, probs: object) -> Tensor:
+    """Exactly one of ``logits``/``probs``, a floating ``(B, V)`` tensor; returns it."""
+    if (logits is None) == (probs is None):
+        raise ValueError(
+            "pass exactly one of logits= or probs= (got "
+            + ("neither" if logits is None else "both")
+            + ")"
+        )
+    name = "logits" if logits is not None else "probs"
+    return check_probs_tensor(logits if logits is not None else probs, name)

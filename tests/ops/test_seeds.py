@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo
+from test_philox import ref_philox4x32
 
 import fastsample as fs
-from fastsample.seeds import CounterSource, Purpose, Stream, advance_step
+from fastsample.ops.seeds import CounterSource, Purpose, Stream, advance_step
 from stattests import assert_law, law_rejected, plackett_luce
 from test_exactness import CASES, JOINT_ROW, binned, count_draws, make_row
-from test_philox import ref_philox4x32
 
 METHODS = ["inverse_cdf", "race"]
 MASK64 = (1 << 64) - 1
@@ -196,8 +196,8 @@ def test_seeded_results_are_ordinary_tensors_in_any_mode(method):
     """The Philox chain runs in inference mode (cheaper tiny ops); nothing of it may leak out.
     Uniforms are consumed in place (the race's noise), outputs accept in-place updates, and
     constants first made inside an outer inference mode work in eager and compiled calls."""
-    import fastsample.philox as philox
-    import fastsample.seeds as seeds_module
+    import fastsample.ops.philox as philox
+    import fastsample.ops.seeds as seeds_module
 
     probs, seeds, steps = random_requests(5, 12, seed=5)  # 12 entries: the few-block layout
     philox._PAIR_CONSTANTS.clear()

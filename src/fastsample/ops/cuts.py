@@ -1,0 +1,164 @@
+"""Thresholds of the cuts, top-k, top-p and min-p, and applying them to weights.
+
+Every cut is a threshold on the same weights (:mod:`fastsample.ops.weights`): the kept set
+of a row is ``{i : w_i >= max(cut_k, cut_p, cut_min)}``. The thresholds are exact
+selections on those weights (:mod:`fastsample.ops.select`); nothing is sorted.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+from torch import Tensor
+
+from .inverse_cdf import block_sums
+from .pieces import piece_rows
+from .select import CANDIDATE_MAX_K, descending_threshold, largest_entries
+from .validation import Controls
+
+
+def as_rows(value: float | int | Tensor, batch: int, like: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(like.dtype)
+    return torch.full((batch,), value, dtype=like.dtype, device=like.device)
+
+
+def top_p_cut(weights: Tensor, top_p: float | Tensor, mass: Tensor | None) -> Tensor:
+    """Top-p threshold on ``weights`` by radix selection: ``top_p`` of ``mass`` (the top-k
+    survivors' mass), or of the whole row's if None."""
+    rows = torch.empty(weights.shape[0], dtype=torch.float64, device=weights.device)
+    p = as_rows(top_p, rows.shape[0], rows)
+    if mass is None:
+        cut = descending_threshold(weights, p, "share")
+    else:
+        cut = descending_threshold(weights, p * mass, "mass")
+    return torch.where(p < 1, cut, 0.0)
+
+
+def top_p_cut_from_candidates(
+    candidates: Tensor, cut_k: Tensor, top_p: float, mass: Tensor
+) -> Tensor:
+    """Top-p threshold after a top-k cut taken from candidates (static ``k``).
+
+    Every survivor above ``cut_k`` is among the candidates (sorted, largest first), so the
+    cut is the first candidate where the mass from the top reaches ``top_p * mass``, or
+    ``cut_k`` itself if none does (the boundary ties, wherever they are, complete it).
+    """
+    above = torch.where(candidates > cut_k[:, None], candidates, 0.0).to(torch.float64)
+    reached = above.cumsum(-1) >= top_p * mass[:, None]
+    first = reached.to(torch.uint8).argmax(-1, keepdim=True)
+    cut = candidates.gather(1, first).squeeze(1)
+    return torch.where(reached.any(-1), cut, cut_k)
+
+
+# Cuts are applied by dividing each row by its cut and zeroing what falls below 1, one scalar
+# threshold for the whole batch (fast), instead of a per-row comparison and a masked fill.
+# The division keeps every comparison with the cut exact (``w >= c`` iff ``fl(w / c) >= 1``)
+# and scales a row uniformly, which the inverse CDF does not see. Cuts below a floor are
+# raised to it so the scaled weights, their block sums and row totals stay finite in float32
+# (totals up to V * 2**100 < 2**128): in a row whose cut is 0 (or tinier), weights under
+# 2**-100 of the row's largest (float64: 2**-1000) are dropped, tokens ~69 T below the top
+# logit with probability < 1e-30 each.
+CUT_FLOOR = {torch.float32: 2.0**-100, torch.float64: 2.0**-1000}
+BELOW_ONE = {torch.float32: 1.0 - 2.0**-24, torch.float64: 1.0 - 2.0**-53}
+
+
+def predecessor(value: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` number below ``value`` rounded to ``dtype`` (``value >= 0``), in
+    Python (no tensor, so no host read under ``torch.compile``)."""
+    if dtype == torch.float64:
+        return math.nextafter(value, 0.0)
+    (bits,) = struct.unpack("<I", struct.pack("<f", value))
+    if bits == 0:  # value rounds to 0 in float32: every weight is >= it
+        return -1.0
+    (below,) = struct.unpack("<f", struct.pack("<I", bits - 1))
+    return below
+
+
+def count_equal(weights: Tensor, value: Tensor) -> Tensor:
+    """``(B,)`` count of entries equal to ``value[b]`` per row, as float64.
+
+    ``w - v`` is exactly 0 iff ``w == v``; comparing that difference with 0 in place gives
+    float 0/1 whose sum is exact (below 2**24 per row). On CPU this is ~4x faster than a
+    broadcast ``==`` followed by a sum of the bool tensor.
+    """
+    return (weights - value[:, None]).eq_(0).sum(-1).to(torch.float64)
+
+
+def keep_at_least(weights: Tensor, cut: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(weights / s) * [weights >= cut]`` per row with ``s = max(cut, floor)``; returns it
+    (written to ``out`` if given, which may be ``weights``) and ``s``."""
+    scale = cut.clamp_min(CUT_FLOOR[weights.dtype])
+    scaled = (
+        torch.div(weights, scale[:, None], out=out) if out is not None else weights / scale[:, None]
+    )
+    return torch.nn.functional.threshold_(scaled, BELOW_ONE[weights.dtype], 0.0), scale
+
+
+# The survivors' mass is taken a few rows at a time through a scratch of this many elements
+# (8 MiB of float32): a (B, V) temporary was a fresh, page-faulted block every call (~5 ms
+# of a ~6 ms pass at B=64, V=128256).
+_MASS_PIECE_ELEMENTS = 1 << 21
+
+
+def kept_mass(weights: Tensor, cut: Tensor) -> Tensor:
+    """``(B,)`` float64 mass of the entries ``>= cut`` per row: the block sums of
+    :func:`keep_at_least`, times its scale (the same numbers as on the whole batch)."""
+    batch, width = weights.shape
+    rows = piece_rows(batch, width, weights.device, _MASS_PIECE_ELEMENTS)
+    scratch = torch.empty(min(rows, batch), width, dtype=weights.dtype, device=weights.device)
+    masses = []
+    for piece, piece_cut in zip(weights.split(rows), cut.split(rows), strict=True):
+        kept, scale = keep_at_least(piece, piece_cut, out=scratch[: piece.shape[0]])
+        masses.append(block_sums(kept).sum(-1) * scale.to(torch.float64))
+    return masses[0] if len(masses) == 1 else torch.cat(masses)
+
+
+def row_cuts(
+    weights: Tensor, peak: Tensor, controls: Controls, order: Tensor, maxima: Tensor | None
+) -> Tensor | None:
+    """The per-row threshold ``max(cut_k, cut_p, cut_min)`` on ``weights``, or None.
+
+    ``order`` is the input (logits or probabilities, which order like ``weights``) and
+    ``maxima`` its block maxima, for the candidate-block path of a static small ``top_k``.
+    """
+    batch, vocab = order.shape
+    f64 = torch.zeros(batch, dtype=torch.float64, device=weights.device)
+    cut: Tensor | None = None
+    candidates: Tensor | None = None
+    k = controls.top_k
+    if isinstance(k, int) and k <= CANDIDATE_MAX_K:
+        # The k-th largest input's weight is the k-th largest weight (the map is monotone);
+        # read it from the buffer itself so the comparisons below are bitwise consistent.
+        values, ids = largest_entries(order, k, maxima)
+        # Past-the-end padding (and -inf logits) weigh 0, whatever id it was clamped to.
+        candidates = torch.where(values > -math.inf, weights.gather(1, ids), 0.0)
+        cut = candidates[:, -1]
+    elif k is not None:
+        k_rows = as_rows(k, batch, f64)
+        cut = descending_threshold(weights, k_rows, "count")
+        cut = torch.where((k_rows > 0) & (k_rows < vocab), cut, 0.0)
+    if controls.top_p is not None:
+        # For thresholds at or above cut_k the mass above them is the same with or without
+        # the top-k cut, so top-p needs only the survivors' mass, not a masked copy.
+        mass: Tensor | None = None  # None: the whole row's, read off the radix's first round
+        if candidates is not None:
+            # Every survivor above cut_k is a candidate; the rest are ties at cut_k, anywhere
+            # in the row: count them (one compare pass, no masked copy).
+            ties = count_equal(weights, cut)
+            strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
+            mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
+        elif cut is not None:
+            mass = kept_mass(weights, cut)
+        if candidates is not None and isinstance(controls.top_p, float):
+            assert cut is not None and mass is not None
+            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
+        else:
+            cut_p = top_p_cut(weights, controls.top_p, mass)
+        cut = cut_p if cut is None else torch.maximum(cut, cut_p)
+    if controls.min_p is not None:
+        cut_min = as_rows(controls.min_p, batch, f64).to(weights.dtype) * peak
+        cut = cut_min if cut is None else torch.maximum(cut, cut_min)
+    return cut
