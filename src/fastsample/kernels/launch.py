@@ -1,0 +1,55 @@
+"""What every launcher shares: rows per program, block widths, and a launch counter.
+
+Rows per program. On a GPU each program handles one row (``ROWS = 1``): rows never share a
+reduction, so batch invariance holds by construction. Triton's interpreter runs programs one
+after another in Python at ~0.1 ms per tensor op whatever the tile size, so there a program
+takes a tile of up to :data:`INTERPRETER_ROWS` rows; every reduction in the kernels is along
+the row's own axis, so a row's result still never depends on its neighbours (the batch
+invariance tests check it bitwise on the interpreter).
+
+Launch counter. :func:`count_launch` is called by every launcher once per kernel launch, and
+:func:`launches` reads the running total, so tests and ``bench --launches`` can count device
+work per call (together with a dispatch mode for the aten ops).
+"""
+
+from __future__ import annotations
+
+import triton
+
+from ..ops.inverse_cdf import BLOCK as SUM_BLOCK  # the torch path's block, shared (256)
+
+INTERPRETER_ROWS = 64
+
+_total = 0
+
+
+def count_launch() -> None:
+    """Record one kernel launch (called by the launchers, eagerly)."""
+    global _total
+    _total += 1
+
+
+def launches() -> int:
+    """Kernel launches made by this package's launchers so far in this process."""
+    return _total
+
+
+def rows_per_program(batch: int, interpreted: bool) -> int:
+    """``ROWS``: 1 on a GPU; a power-of-two tile of up to 64 rows in the interpreter."""
+    if not interpreted:
+        return 1
+    return min(triton.next_power_of_2(max(batch, 1)), INTERPRETER_ROWS)
+
+
+def tile_width(vocab: int) -> int:
+    """Entries per tile: the torch path's sum block (256), or the whole row if shorter.
+
+    Block sums must be taken over the same blocks as :func:`fastsample.ops.inverse_cdf
+    .block_sums` (``SUM_BLOCK`` entries, the last one short) for the draws to agree; a row
+    shorter than a block is one block either way.
+    """
+    return SUM_BLOCK if vocab >= SUM_BLOCK else triton.next_power_of_2(vocab)
+
+
+def grid(batch: int, rows: int) -> tuple[int]:
+    return (triton.cdiv(batch, rows),)
