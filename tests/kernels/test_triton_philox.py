@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from fastsample.kernels import philox as kp  # noqa: E402
-from fastsample.ops.noise import exponential_from_uniform  # noqa: E402
-from fastsample.ops.seeds import CounterSource, Purpose  # noqa: E402
+from fastsample.kernels import philox as kp
+from fastsample.ops.noise import exponential_from_uniform
+from fastsample.ops.seeds import CounterSource, Purpose
 
 EDGE_SEEDS = [0, 1, -1, 2**63 - 1, -(2**63), 0xFFFFFFFF, 2**32]
 

@@ -153,7 +153,8 @@ def _counter_uniforms_kernel(
         u = uniform_at(start + columns.to(tl.int64), c1, c2, c3, k0, k1)
         if NOISE:
             u = exponential_noise(u, LOG1P)
-        tl.store(out_ptr + rows[:, None] * length + columns, u, mask=live[:, None] & (columns < length))
+        inside = live[:, None] & (columns < length)
+        tl.store(out_ptr + rows[:, None] * length + columns, u, mask=inside)
 
 
 def _interpreted() -> bool:
