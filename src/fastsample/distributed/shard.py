@@ -17,7 +17,7 @@ So every slot is owned by exactly one rank, a rank's slot sums are zero outside 
 and a SUM all-reduce of ``(B, grid + world)`` values gives every rank every slot's mass with
 nothing but ``x + 0`` additions (bitwise the owner's value). When every shard starts on a
 multiple of ``BLOCK`` and ``m = 1``, the grid slots *are* the single-process blocks of
-:mod:`fastsample.inverse_cdf` and the head slots are empty: the draw is then bitwise the
+:mod:`fastsample.ops.inverse_cdf` and the head slots are empty: the draw is then bitwise the
 single-process draw.
 """
 
@@ -113,8 +113,8 @@ def shard_weights(
     float64) and the global finiteness flag ``finite``: a contiguous ``(B, layout.width)``
     buffer (a zero column past ``V_local`` on the shard that ends an odd vocabulary).
 
-    The single-process formulas (:func:`fastsample.controls.logit_weights_` and
-    :func:`~fastsample.controls.prob_weights_`), so that each weight is bitwise the
+    The single-process formulas (:func:`fastsample.ops.weights.logit_weights_` and
+    :func:`~fastsample.ops.weights.prob_weights_`), so that each weight is bitwise the
     single-process weight of the same global entry:
     logits: ``exp((x - max) / T)``; probabilities: ``(p / max p)^(1/T)``, or ``p`` itself when
     nothing is cut and no temperature applies (the single-process no-copy case).
@@ -193,7 +193,7 @@ def draw_in_slot(
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """Second stage of the inverse CDF inside each row's chosen ``slot``, on the owning rank.
 
-    Mirrors the in-block scan of :func:`fastsample.inverse_cdf.inverse_cdf_draw`: gather the
+    Mirrors the in-block scan of :func:`fastsample.ops.inverse_cdf.inverse_cdf_draw`: gather the
     slot's weights in float64 (earlier draws ``drawn`` removed), take their prefix ``c`` and
     pick the first ``c_i > fraction * c_last`` (strict, kept below ``c_last``).
 
@@ -247,8 +247,8 @@ def radix_histogram(
     earlier rounds).
 
     ``values``: ``(B, V)`` contiguous float32 or float64; ``keys``: a
-    :func:`fastsample.select.key_scratch` of ``rows`` rows, reused across rounds: the rows go
-    through it ``rows`` at a time (:func:`fastsample.select.add_digits`, the single-process
+    :func:`fastsample.ops.select.key_scratch` of ``rows`` rows, reused across rounds: the rows go
+    through it ``rows`` at a time (:func:`fastsample.ops.select.add_digits`, the single-process
     radix's histogram step).
     """
     batch, vocab = values.shape
