@@ -4,7 +4,7 @@
 The one ``(B, V)`` stage of a chain verification reads, per request, the target row and the
 draft row at the request's first rejection and reduces them: block sums of ``p`` and of
 ``max(p - q, 0)``, the minimum of each row and the draft row's sum (the validity checks). In
-eager PyTorch (``fastsample._verify_draw.summarize``) the rows are first copied out with
+eager PyTorch (``fastsample.verify.draw.summarize``) the rows are first copied out with
 ``index_select``, since each request's row sits at its own position, and every reduction is
 its own pass. This script JIT-compiles (``torch.utils.cpp_extension``: needs a C++ compiler
 and ``pip install ninja``) one kernel that reads both rows once per request and produces the
@@ -21,7 +21,7 @@ from fused_exp_probe import _median_ms, _vector_flags  # the sibling probe's (sc
 from torch.utils.cpp_extension import load_inline
 
 import fastsample
-from fastsample._verify_draw import summarize
+from fastsample.verify.draw import summarize
 
 KERNEL = r"""
 #include <torch/extension.h>

@@ -1,7 +1,7 @@
 """The one draw at the end of a verification: from a target row, a residual, or a target row
 with a few tokens removed, picked per batch row at a per-row position.
 
-This is the blocked inverse CDF of :mod:`fastsample.inverse_cdf` (block sums, a float64
+This is the blocked inverse CDF of :mod:`fastsample.ops.inverse_cdf` (block sums, a float64
 prefix over blocks, one uniform per row, a scan of one block), restated for the
 verifier's needs:
 
