@@ -46,9 +46,9 @@ def tile_width(vocab: int) -> int:
 
     Block sums must be taken over the same blocks as :func:`fastsample.ops.inverse_cdf
     .block_sums` (``SUM_BLOCK`` entries, the last one short) for the draws to agree; a row
-    shorter than a block is one block either way.
+    shorter than a block is one block either way (at least 16 wide: tiny tiles gain nothing).
     """
-    return SUM_BLOCK if vocab >= SUM_BLOCK else triton.next_power_of_2(vocab)
+    return SUM_BLOCK if vocab >= SUM_BLOCK else max(16, triton.next_power_of_2(vocab))
 
 
 def grid(batch: int, rows: int) -> tuple[int]:
