@@ -16,7 +16,7 @@ tensors) the same call is timed, round-robin in one process, for:
 
 Reported: the median of each, the speed-up of ``fs`` over ``hf`` and the multiple of one
 read pass over the logits (``logits.sum(-1)``). Timing as in the main benchmark
-(:func:`fastsample.bench.time_interleaved`), with every timed call right after untimed
+(:func:`.harness.time_interleaved`), with every timed call right after untimed
 calls of the same contender (:data:`WARM_S`): each is timed in its own steady state, as a
 sampler called step after step, whichever contender ran before it (``hf`` and
 ``fs.tensor`` sweep enough memory to evict the logits, which made the others' medians depend
@@ -26,19 +26,19 @@ on how many rounds those two stayed in).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 from torch import Tensor
 
 from ...sampling import sample
-from .. import bench
+from .harness import LOGIT_SCALE, Call, Timing, pick_device, time_interleaved, timing_from_args
+from .report import machine_info, save_json
 
 WARM_S = 0.005
 """Untimed calls of a contender before each of its timed calls, in seconds (at least one)."""
@@ -136,11 +136,11 @@ class Row:
     read_passes: float | None = None
 
 
-def run_setting(name: str, logits: Tensor, timing: bench.Timing, peers: bool = True) -> list[Row]:
+def run_setting(name: str, logits: Tensor, timing: Timing, peers: bool = True) -> list[Row]:
     """Time every contender for one setting, interleaved; rows in display order."""
     controls = SETTINGS[name]
     batch = logits.shape[0]
-    calls: dict[str, bench.Call] = {
+    calls: dict[str, Call] = {
         "read_pass": lambda: logits.sum(-1),
         "hf": lambda: hf_pipeline(logits, controls),
     }
@@ -152,7 +152,7 @@ def run_setting(name: str, logits: Tensor, timing: bench.Timing, peers: bool = T
     calls["fs.tensor"] = lambda: sample(logits, **as_tensors)
     medians = {
         contender: statistics.median(times) * 1e3
-        for contender, times in bench.time_interleaved(
+        for contender, times in time_interleaved(
             calls, logits.device, timing, warm_s=WARM_S
         ).items()
     }
@@ -188,13 +188,13 @@ def print_rows(rows: list[Row], out: TextIO) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m fastsample bench --controls``."""
-    device = bench._pick_device(args.device)
+    device = pick_device(args.device)
     batch = (args.batch or [64])[0]
     vocab = (args.vocab or [128256])[0]
-    timing = bench._timing(args)
+    timing = timing_from_args(args)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    logits = torch.randn(batch, vocab, generator=gen, device=device) * bench.LOGIT_SCALE
-    info = bench.machine_info(device)
+    logits = torch.randn(batch, vocab, generator=gen, device=device) * LOGIT_SCALE
+    info = machine_info(device)
     print(
         f"fastsample bench --controls: torch {info['torch']}, {info['device_name']} ({device}), "
         f"{info['torch_threads']} threads; float32 logits B={batch} V={vocab}\n"
@@ -212,13 +212,6 @@ def run(args: argparse.Namespace) -> int:
         "this time; read passes: this time / one logits.sum(-1)"
     )
     if args.json:
-        doc: dict[str, Any] = {
-            "machine": info,
-            "settings": {"batch": batch, "vocab": vocab, "controls": SETTINGS},
-            "results": [r.__dict__ for r in rows],
-        }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        save_json(args.json, rows, info, {"batch": batch, "vocab": vocab, "controls": SETTINGS})
         print(f"saved {args.json}")
     return 0

@@ -23,7 +23,6 @@ processes, the collectives' latency is dominated by scheduling; compare ratios a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import socket
@@ -32,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +41,8 @@ from torch import Tensor
 
 from ... import distributed as fsd
 from ...sampling import sample
-from .. import bench
+from .harness import LOGIT_SCALE
+from .report import machine_info, save_json
 
 SETTINGS: dict[str, str] = {
     "T=1 (plain)": "plain",
@@ -126,7 +126,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, outdir: str) -> Non
 def _rank_bench(rank: int, world: int, opts: dict) -> list[Row]:
     batch, vocab = opts["batch"], opts["vocab"]
     gen = torch.Generator().manual_seed(opts["seed"])
-    full = torch.randn(batch, vocab, generator=gen) * bench.LOGIT_SCALE
+    full = torch.randn(batch, vocab, generator=gen) * LOGIT_SCALE
     width = math.ceil(vocab / world)
     start, end = rank * width, min(vocab, (rank + 1) * width)
     shard = full[:, start:end].contiguous()
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if opts["vocab"] < world:
         raise SystemExit("error: --vocab must be at least the world size")
-    info = bench.machine_info(torch.device("cpu"))
+    info = machine_info(torch.device("cpu"))
     print(
         f"fastsample bench --distributed {world}: torch {info['torch']}, {info['device_name']}, "
         f"{info['cpu_count']} cores, gloo on loopback, {world} processes x "
@@ -275,13 +275,6 @@ def run(args: argparse.Namespace) -> int:
         "sends with ring algorithms"
     )
     if args.json:
-        doc = {
-            "machine": info,
-            "settings": dict(opts, world=world, controls=SETTINGS),
-            "results": [asdict(r) for r in rows],
-        }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        save_json(args.json, rows, info, dict(opts, world=world, controls=SETTINGS))
         print(f"saved {args.json}")
     return 0

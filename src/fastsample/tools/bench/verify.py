@@ -17,14 +17,13 @@ from the draft distributions before timing):
 * ``fs.verify_tree a`` / ``b``: a 9-node tree (3 first tokens, 2 + 1 + 1 children, two of
   them with one more), deterministic children and children drawn without replacement.
 
-Timing and output as in :mod:`fastsample.bench` (round-robin over contenders, medians). The
+Timing and output as in :mod:`fastsample.tools.bench` (round-robin over contenders, medians). The
 ``mem`` column is the peak extra memory of one call over the bytes of one ``(B, V)`` slice.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +34,16 @@ import torch
 from torch import Tensor
 
 from ...verify import TokenTree, verify_chain, verify_tree
-from .. import bench
+from .harness import (
+    DTYPES,
+    LOGIT_SCALE,
+    Timing,
+    extra_memory_fraction,
+    pick_device,
+    time_interleaved,
+    timing_from_args,
+)
+from .report import machine_info, save_json
 
 DEFAULT_CASES = ((64, 4, 128256, "float32"),)
 QUICK_CASES = ((64, 4, 128256, "float32"),)
@@ -82,13 +90,13 @@ def make_case(
     batch: int, drafts: int, vocab: int, dtype: str, device: torch.device, seed: int = 0
 ) -> VerifyCase:
     gen = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(batch, drafts + 1, vocab, generator=gen, device=device) * bench.LOGIT_SCALE
+    logits = torch.randn(batch, drafts + 1, vocab, generator=gen, device=device) * LOGIT_SCALE
     noise = torch.randn(batch, drafts, vocab, generator=gen, device=device)
     target = torch.softmax(logits, -1)
     draft = torch.softmax(logits[:, :drafts] + noise, -1)
     flat = draft.reshape(-1, vocab)
     tokens = torch.multinomial(flat, 1, generator=gen).view(batch, drafts)
-    cast = bench.DTYPES[dtype]
+    cast = DTYPES[dtype]
     return VerifyCase(batch, drafts, vocab, dtype, device, target.to(cast), draft.to(cast), tokens)
 
 
@@ -141,9 +149,9 @@ class VerifyResult:
     extra_mem_fraction: float | None = None
 
 
-def run_case(case: VerifyCase, timing: bench.Timing) -> list[VerifyResult]:
+def run_case(case: VerifyCase, timing: Timing) -> list[VerifyResult]:
     calls = contenders(case)
-    seconds = bench.time_interleaved(calls, case.device, timing)
+    seconds = time_interleaved(calls, case.device, timing)
     rows = []
     for name, times in seconds.items():
         ms = [t * 1e3 for t in times]
@@ -161,16 +169,13 @@ def run_case(case: VerifyCase, timing: bench.Timing) -> list[VerifyResult]:
             )
         )
     by_name = {r.contender: r.median_ms for r in rows}
-    # Memory relative to one (B, V) slice, through the bench's measuring helper.
-    slice_case = bench.Case(
-        case.batch, case.vocab, case.dtype, case.device, case.target[:, 0].contiguous()
-    )
+    one_slice = case.target[:, 0]  # memory is counted in (B, V) slices: what one row reads
     for r in rows:
         r.speedup_vs_reference = by_name[REFERENCE] / r.median_ms
         r.read_passes = r.median_ms / by_name[READ_PASS]
         r.passes_beyond_gather = (r.median_ms - by_name[GATHER]) / by_name[READ_PASS]
         if r.contender.startswith("fs."):
-            r.extra_mem_fraction = bench.extra_memory_fraction(calls[r.contender], slice_case)
+            r.extra_mem_fraction = extra_memory_fraction(calls[r.contender], one_slice)
     return rows
 
 
@@ -197,10 +202,10 @@ def print_table(rows: list[VerifyResult]) -> None:
     print()
 
 
-def run_verify(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m fastsample bench --verify``."""
-    device = bench._pick_device(args.device)
-    timing = bench._timing(args)
+    device = pick_device(args.device)
+    timing = timing_from_args(args)
     if args.batch or args.vocab or args.dtype:
         grid = [
             (b, 4, v, d)
@@ -210,7 +215,7 @@ def run_verify(args: argparse.Namespace) -> int:
         ]
     else:
         grid = list(QUICK_CASES if args.quick else DEFAULT_CASES)
-    info = bench.machine_info(device)
+    info = machine_info(device)
     print(
         f"fastsample bench --verify: torch {info['torch']}, {info['device_name']} ({device}), "
         f"{info['torch_threads']} threads; median of {timing.min_repeats}-{timing.max_repeats} "
@@ -229,9 +234,6 @@ def run_verify(args: argparse.Namespace) -> int:
         "gather time) / read pass; mem: peak extra bytes / one (B, V) slice"
     )
     if args.json:
-        doc = {"machine": info, "settings": asdict(timing), "results": [asdict(r) for r in rows]}
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        save_json(args.json, rows, info, asdict(timing))
         print(f"saved {args.json}")
     return 0
