@@ -1,0 +1,189 @@
+"""fastsample.hf.generate, the plain loop: exact against transformers' own warpers, greedy
+identical to model.generate, per-request seeds independent of the batch, and generate's
+controls (processors, stopping, EOS, streamer, num_return_sequences, return types)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_models import first_two_law, left_pad, next_token_law, stub_model, tiny_llama
+
+import fastsample.hf as fh
+from stattests import assert_law, law_rejected
+
+transformers = pytest.importorskip("transformers")
+from transformers.generation.logits_process import LogitsProcessor  # noqa: E402
+from transformers.generation.stopping_criteria import StoppingCriteria  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+PROMPT = [5, 17, 3, 42, 9]
+DRAWS = 20_000
+CONTROLS = [
+    dict(temperature=0.8, top_k=10, top_p=0.95),
+    dict(temperature=1.3, min_p=0.02),
+]
+
+
+@pytest.fixture(scope="module")
+def law_model():
+    return tiny_llama(seed=0, head_scale=15.0)
+
+
+def biased(law: np.ndarray) -> np.ndarray:
+    """The negative control's law: 2% of the mass moved to the least likely kept outcome."""
+    out = law * 0.98
+    kept = np.flatnonzero(law > 0)
+    out[kept[np.argmin(law[kept])]] += 0.02
+    return out
+
+
+@pytest.mark.parametrize("controls", CONTROLS, ids=["T-topk-topp", "T-minp"])
+def test_first_two_tokens_follow_transformers_warpers(law_model, controls):
+    """DRAWS requests of one prompt, one seed each: the first token's law and the joint law
+    of the first two match the model's logits through transformers' warpers (p < 1e-6 false
+    alarm); the same test rejects a 2%-biased law at the same number of draws."""
+    vocab = law_model.config.vocab_size
+    prompt = torch.tensor([PROMPT]).expand(DRAWS, -1)
+    out = fh.generate(law_model, prompt, do_sample=True, max_new_tokens=2,
+                      seed=torch.arange(DRAWS), **controls)
+    first, second = out[:, len(PROMPT)], out[:, len(PROMPT) + 1]
+    joint = first_two_law(law_model, PROMPT, controls).numpy()
+    first_law = next_token_law(law_model, PROMPT, controls).numpy()
+    first_counts = np.bincount(first.numpy(), minlength=vocab)
+    joint_counts = np.bincount((first * vocab + second).numpy(), minlength=vocab * vocab)
+    assert_law(first_counts, first_law, what="first token")
+    assert_law(joint_counts, joint, what="first two tokens")
+    assert (first_law > 0).sum() >= 4, "controls left too few tokens for a meaningful test"
+
+    rng = np.random.default_rng(0)
+    assert law_rejected(rng.multinomial(DRAWS, biased(first_law)), first_law)
+    assert law_rejected(rng.multinomial(DRAWS, biased(joint)), joint)
+
+
+def test_greedy_equals_model_generate_token_for_token():
+    model = tiny_llama(seed=1)
+    ids, mask = left_pad([[4, 8, 15, 16, 23, 42], [7, 7], [9, 3, 11]])
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    got = fh.generate(model, ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    assert torch.equal(got, expected)
+
+
+def test_greedy_with_eos_and_stopping_criteria_equals_model_generate():
+    model = tiny_llama(seed=1)
+    ids, mask = left_pad([[4, 8, 15, 16, 23, 42], [7, 7], [9, 3, 11]])
+    free = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
+    eos = int(free[0, ids.shape[1] + 2])  # row 0 ends early, the others when they meet it
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == int(free[1, -3])
+
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=10, eos_token_id=eos,
+                  stopping_criteria=[StopAfter()])
+    assert torch.equal(fh.generate(model, ids, **kwargs), model.generate(ids, **kwargs))
+
+
+PROMPTS = [[3], [5, 9, 2, 7, 1, 8, 8], [4, 4], [6, 1, 3, 9, 12], [10, 20, 30],
+           [11, 12, 13, 14, 15, 16, 17, 18, 19], [2, 2, 2, 2], [30, 31, 32, 33, 34, 35]]
+SEEDS = [101, 7, 33, 2**40 + 5, 0, 9, 123456789, 42]
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "speculative"])
+def test_each_request_draws_the_same_tokens_alone_and_in_a_batch(draft):
+    """With a stub model whose logits depend on a row's own token and position only, every
+    request's tokens with its seed are identical alone and in a batch of 8 prompts of other
+    lengths (left-padded), plain and speculative."""
+    model = stub_model(seed=3)
+    extra = dict(assistant_model=stub_model(seed=4)) if draft else {}
+    ids, mask = left_pad(PROMPTS)
+    batch = fh.generate(model, ids, attention_mask=mask, do_sample=True, top_k=20,
+                        max_new_tokens=9, seed=SEEDS, **extra)
+    for row, (prompt, seed) in enumerate(zip(PROMPTS, SEEDS, strict=True)):
+        alone = fh.generate(model, torch.tensor([prompt]), do_sample=True, top_k=20,
+                            max_new_tokens=9, seed=[seed], **extra)
+        assert torch.equal(batch[row, ids.shape[1]:], alone[0, len(prompt):]), row
+
+
+class BanToken(LogitsProcessor):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores):
+        scores[:, self.token] = -float("inf")
+        return scores
+
+
+def test_user_processors_run_before_fastsample_controls(law_model):
+    """Banning the most likely token with a user processor, then top_k=1, leaves the second
+    most likely token: processors first, then fastsample's top-k."""
+    law = next_token_law(law_model, PROMPT, {})
+    best, second = law.topk(2).indices.tolist()
+    out = fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, top_k=1,
+                      max_new_tokens=1, seed=[1], logits_processor=[BanToken(best)])
+    assert int(out[0, -1]) == second
+
+
+def test_plugs_into_model_generate_as_custom_generate(law_model):
+    ids, mask = left_pad([PROMPT, [8, 9]])
+    kwargs = dict(attention_mask=mask, do_sample=True, temperature=0.9, max_new_tokens=6,
+                  seed=[5, 6])
+    direct = fh.generate(law_model, ids, **kwargs)
+    plugged = law_model.generate(ids, custom_generate=fh.generate, **kwargs)
+    assert torch.equal(direct, plugged)
+
+
+def test_num_return_sequences_copies_and_return_dict(law_model):
+    out = fh.generate(law_model, torch.tensor([PROMPT, [8, 9, 10, 11, 12]]), do_sample=True,
+                      max_new_tokens=8, num_return_sequences=3, seed=[5, 6],
+                      return_dict_in_generate=True, output_scores=True, output_logits=True)
+    assert out.sequences.shape == (6, len(PROMPT) + 8)
+    assert len(out.scores) == 8 and out.scores[0].shape == (6, law_model.config.vocab_size)
+    assert len(out.logits) == 8
+    # Copy 0 of a prompt is the request itself; the copies are independent draws.
+    single = fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, max_new_tokens=8,
+                         seed=[5])
+    assert torch.equal(out.sequences[0], single[0])
+    assert len({tuple(r) for r in out.sequences[:3].tolist()}) == 3
+    # Scores are the log-probabilities sampled from: each drawn token is possible.
+    drawn = out.sequences[:, len(PROMPT)]
+    assert torch.isfinite(out.scores[0].gather(1, drawn[:, None])).all()
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "speculative"])
+def test_streamer_sees_the_prompt_then_every_token(law_model, draft):
+    streamer = Collect()
+    extra = dict(assistant_model=tiny_llama(seed=0, layers=1, head_scale=15.0)) if draft else {}
+    out = fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, max_new_tokens=7,
+                      seed=[3], streamer=streamer, **extra)
+    assert streamer.chunks[0] == PROMPT and streamer.ended
+    assert [t for chunk in streamer.chunks[1:] for t in chunk] == out[0, len(PROMPT):].tolist()
+
+
+def test_seed_none_follows_torch_manual_seed(law_model):
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        runs.append(fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True,
+                                max_new_tokens=6))
+    assert torch.equal(*runs)
+
+
+def test_rejects_what_it_does_not_implement(law_model):
+    with pytest.raises(NotImplementedError, match="typical_p"):
+        fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, typical_p=0.5,
+                    max_new_tokens=2)
+    with pytest.raises(ValueError, match="one each"):
+        fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, max_new_tokens=2,
+                    seed=[1, 2])
