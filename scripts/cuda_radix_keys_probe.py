@@ -1,6 +1,6 @@
 """Measurement probe, not library code: do int32 radix keys work and pay on CUDA?
 
-On CPU the radix selection (``fastsample.select``) keys float32 weights by their bit patterns
+On CPU the radix selection (``fastsample.ops.select``) keys float32 weights by their bit patterns
 as int32, since ``scatter_add_`` takes int32 indices from torch 2.8 on; other devices use
 int64 keys until a run shows the int32 ones work there. This script (part of
 ``scripts/device_check.sh``) runs the top-p and top-k thresholds of ``(64, 128256)``

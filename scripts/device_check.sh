@@ -17,12 +17,12 @@ pip install --quiet -e ".[test]" 2>&1 | tail -2
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/device.txt"
 
 # CUDA tests only (everything else runs in CI on CPU).
-timeout 300 python -m pytest -q -rs tests/test_cuda_graphs.py tests/test_philox.py \
-    tests/test_seeds.py tests/test_exactness.py tests/test_bad_input.py \
+timeout 300 python -m pytest -q -rs tests/test_cuda_graphs.py tests/ops/test_philox.py \
+    tests/ops/test_seeds.py tests/test_exactness.py tests/test_bad_input.py \
     -k "cuda or capture or graph or device_mismatch" 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
-timeout 200 python -m pytest -q -rs tests/test_verify.py -k "cuda" 2>&1 \
+timeout 200 python -m pytest -q -rs tests/verify -k "cuda" 2>&1 \
     | tee "$OUT/cuda-tests-verify.txt" || status=1
-timeout 200 python -m pytest -q -rs tests/test_small_top_k.py -k "cuda" 2>&1 \
+timeout 200 python -m pytest -q -rs tests/ops/test_small_top_k.py -k "cuda" 2>&1 \
     | tee "$OUT/cuda-tests-small-top-k.txt" || status=1
 
 # Do int32 radix keys (CPU only so far) work and pay on CUDA? Bitwise check and timing.

@@ -1,7 +1,7 @@
 """Measurement probe, not library code: how far a native CPU histogram would take the exact
 top-p of issue 4 (top_p=0.9 alone, ``>= 20x`` an HF-style pipeline).
 
-In eager PyTorch the radix selection of ``fastsample.select`` spends most of its ~16-19 ms
+In eager PyTorch the radix selection of ``fastsample.ops.select`` spends most of its ~16-19 ms
 (B=64, V=128256, 2 cores) in two ``scatter_add_`` histograms over every weight, ~0.9 ns per
 entry per thread whatever the buckets. This script JIT-compiles (``torch.utils.cpp_extension``:
 needs a C++ compiler and ``pip install ninja``) the same two rounds as one plain loop per row:

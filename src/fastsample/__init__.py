@@ -15,15 +15,15 @@ Public API (flat and functional, every function shares argument names):
 * :mod:`fastsample.distributed` -- ``distributed.sample``, the same sampling on a vocabulary
   sharded across the ranks of a ``torch.distributed`` group, without gathering the logits.
 
-Where things live: ``sampling.py`` orchestrates (argument checks, method choice, bad-row
-policy); ``race.py`` and ``inverse_cdf.py`` are the two exact draw algorithms;
-``controls.py`` turns logits and per-row controls into kept weights, with the exact
-threshold selections of ``select.py``; ``noise.py`` is the single interface through
-which randomness enters, ``seeds.py`` and ``philox.py`` its counter-based source;
-``verify.py`` (with ``_verify_draw.py``) verifies speculative drafts; ``distributed.py`` (with
-``_shard.py``) samples a sharded vocabulary; ``_validation.py`` holds every argument check;
-``bench.py`` is ``python -m fastsample bench`` (``bench_controls.py``, ``bench_verify.py`` and
-``bench_distributed.py`` its ``--controls``, ``--verify`` and ``--distributed`` parts).
+Where things live (one folder per layer, imports only point down; docs/architecture.md):
+``sampling.py`` orchestrates the public samplers (argument checks, method and backend choice,
+bad-row policy) and ``controls.py`` turns logits and per-row controls into kept weights;
+``ops/`` holds the pure torch ops they are built from (the two draw algorithms, thresholds,
+weights, counter-based randomness, argument checks), the CPU path and the reference of every
+backend; ``kernels/`` is the Triton backend (``FASTSAMPLE_BACKEND``); ``verify/`` verifies
+speculative drafts, chain and tree; ``distributed/`` samples a sharded vocabulary;
+``hf/`` generates with Hugging Face transformers; ``tools/`` is the command line's
+``bench`` and ``selfcheck``.
 """
 
 from . import distributed

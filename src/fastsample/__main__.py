@@ -2,9 +2,9 @@
 
 Commands:
 
-* ``bench``: fastsample against ``torch.multinomial``, side by side (:mod:`fastsample.bench`).
+* ``bench``: fastsample against ``torch.multinomial``, side by side (:mod:`fastsample.tools.bench`).
 * ``selfcheck``: exactness, bad rows, batch invariance and (on CUDA) graph capture on this
-  device (:mod:`fastsample.selfcheck`).
+  device (:mod:`fastsample.tools.selfcheck`).
 
 A command is a module with ``add_arguments(parser)`` and ``run(args) -> int``; to add one,
 add it to :func:`_commands`.

@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="benchmark speculative-decoding verification instead (fastsample.bench_verify)",
+        help="benchmark speculative-decoding verification instead (fastsample.tools.bench.verify)",
     )
 
 
