@@ -33,7 +33,6 @@ would sync).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,7 +41,7 @@ from .ops.cuts import keep_at_least, predecessor, row_cuts
 from .ops.inverse_cdf import block_sums
 from .ops.select import block_maxima, first_argmax
 from .ops.validation import Control, Controls, check_controls, check_source
-from .ops.weights import controls_in_range, weights_from_logits, weights_from_probs
+from .ops.weights import Processed, controls_in_range, weights_from_logits, weights_from_probs
 
 __all__ = [
     "Controls",
@@ -52,29 +51,6 @@ __all__ = [
     "process",
     "processed_weights",
 ]
-
-
-class Processed(NamedTuple):
-    """The processed distribution of each row, before normalization.
-
-    Attributes:
-        weights: ``(B, W)`` kept weights (``W >= V``; columns past ``V`` are 0), float32
-            (float64 for float64 input). Zero outside the kept set.
-        sums: their :func:`~fastsample.inverse_cdf.block_sums`, ``(B, blocks)`` float64.
-        total: ``(B,)`` float64, the kept mass (the normalizer).
-        valid: ``(B,)`` bool: finite input, sane control values, something kept.
-        greedy: ``(B,)`` bool rows with temperature 0, or None when no row can be greedy.
-        greedy_ids: ``(B,)`` the first maximal index (meaningful where ``greedy``), or None.
-        maxima: block maxima of the input (reused for ``top_logprobs``), or None.
-    """
-
-    weights: Tensor
-    sums: Tensor
-    total: Tensor
-    valid: Tensor
-    greedy: Tensor | None
-    greedy_ids: Tensor | None
-    maxima: Tensor | None
 
 
 def processed_weights(

@@ -10,11 +10,35 @@ so a token gets bitwise the same weight on each.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .validation import Control, Controls
+
+
+class Processed(NamedTuple):
+    """The processed distribution of each row, before normalization.
+
+    Attributes:
+        weights: ``(B, W)`` kept weights (``W >= V``; columns past ``V`` are 0), float32
+            (float64 for float64 input). Zero outside the kept set.
+        sums: their :func:`~fastsample.ops.inverse_cdf.block_sums`, ``(B, blocks)`` float64.
+        total: ``(B,)`` float64, the kept mass (the normalizer).
+        valid: ``(B,)`` bool: finite input, sane control values, something kept.
+        greedy: ``(B,)`` bool rows with temperature 0, or None when no row can be greedy.
+        greedy_ids: ``(B,)`` the first maximal index (meaningful where ``greedy``), or None.
+        maxima: block maxima of the input (reused for ``top_logprobs``), or None.
+    """
+
+    weights: Tensor
+    sums: Tensor
+    total: Tensor
+    valid: Tensor
+    greedy: Tensor | None
+    greedy_ids: Tensor | None
+    maxima: Tensor | None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
