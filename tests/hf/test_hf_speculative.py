@@ -1,0 +1,115 @@
+"""Speculative decoding in fastsample.hf: exact (the joint law of the first two tokens is the
+target's, at batch size 1 and in batches where rows accept different numbers of drafts),
+greedy identical to model.generate, and the acceptance counts it reports.
+
+Batch invariance of the speculative loop (a request's tokens alone and in a batch of 8) is
+tested in test_hf_generate.py beside the plain loop's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_models import first_two_law, left_pad, tiny_llama, truncated_draft
+
+import fastsample.hf as fh
+from stattests import assert_law, law_rejected
+
+pytest.importorskip("transformers")
+
+CONTROLS = dict(temperature=0.8, top_k=10, top_p=0.95)
+PROMPTS = [[5, 17, 3, 42, 9], [8, 9], [30, 2, 2, 14], [61], [7, 6, 5, 4, 3, 2, 1],
+           [12, 40, 12], [50, 51, 52, 53, 54, 55], [19, 33]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=0, head_scale=15.0)
+    return target, truncated_draft(target)
+
+
+def two_token_counts(out: torch.Tensor, start: int, vocab: int) -> np.ndarray:
+    pairs = out[:, start] * vocab + out[:, start + 1]
+    return np.bincount(pairs.numpy(), minlength=vocab * vocab)
+
+
+def biased(law: np.ndarray) -> np.ndarray:
+    """2% of the mass moved to the least likely possible outcome."""
+    out = law * 0.98
+    kept = np.flatnonzero(law > 0)
+    out[kept[np.argmin(law[kept])]] += 0.02
+    return out
+
+
+def test_batched_speculative_law_equals_the_targets(models):
+    """8 prompts of different lengths (left-padded), each repeated 2,500 times with its own
+    seeds, 3 drafts per round: rows accept different numbers of drafts and continue from
+    caches with masked holes, and each prompt's first two tokens follow the target's joint
+    law. At the same size the test rejects the draft's own law and a 2% bias."""
+    target, draft = models
+    vocab = target.config.vocab_size
+    repeats = 2_500
+    ids, mask = left_pad(PROMPTS)
+    out = fh.generate(target, ids.repeat(repeats, 1), attention_mask=mask.repeat(repeats, 1),
+                      assistant_model=draft, num_draft_tokens=3, do_sample=True,
+                      max_new_tokens=2, seed=torch.arange(len(PROMPTS) * repeats),
+                      return_dict_in_generate=True, **CONTROLS)
+    acceptance = float(out.num_accepted.sum() / out.num_drafted.sum())
+    assert 0.05 < acceptance < 0.95, acceptance  # both outcomes happen often
+    rng = np.random.default_rng(1)
+    for row, prompt in enumerate(PROMPTS):
+        law = first_two_law(target, prompt, CONTROLS).numpy()
+        counts = two_token_counts(out.sequences[row :: len(PROMPTS)], ids.shape[1], vocab)
+        assert_law(counts, law, what=f"prompt {row}")
+        if row == 0:
+            draft_law = first_two_law(draft, prompt, CONTROLS).numpy()
+            assert law_rejected(rng.multinomial(repeats, draft_law / draft_law.sum()), law)
+            assert law_rejected(rng.multinomial(repeats, biased(law)), law)
+
+
+def test_single_request_speculative_law_equals_the_targets(models):
+    """Batch size 1: 1,000 separate calls with seeds 0..999. At this size the test still
+    rejects the draft's law (what accepting every draft would give)."""
+    target, draft = models
+    vocab = target.config.vocab_size
+    calls = 1000
+    prompt = PROMPTS[0]
+    rows = [
+        fh.generate(target, torch.tensor([prompt]), assistant_model=draft, num_draft_tokens=2,
+                    do_sample=True, max_new_tokens=2, seed=[s], **CONTROLS)[0]
+        for s in range(calls)
+    ]
+    counts = two_token_counts(torch.stack(rows), len(prompt), vocab)
+    law = first_two_law(target, prompt, CONTROLS).numpy()
+    assert_law(counts, law, what="batch size 1")
+    draft_law = first_two_law(draft, prompt, CONTROLS).numpy()
+    assert law_rejected(np.random.default_rng(2).multinomial(calls, draft_law), law)
+
+
+def test_speculative_greedy_equals_model_generate(models):
+    """do_sample=False: the target's greedy tokens exactly, whatever the draft proposed,
+    in a left-padded batch, with an EOS token that stops one row early."""
+    target, draft = models
+    ids, mask = left_pad([[4, 8, 15, 16, 23, 42], [7, 7], [9, 3, 11]])
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    got = fh.generate(target, ids, attention_mask=mask, assistant_model=draft,
+                      do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, expected)
+    assert 0 < int(got.num_accepted.sum()) < int(got.num_drafted.sum())  # holes were made
+
+    eos = int(expected[1, ids.shape[1] + 3])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=eos)
+    expected = target.generate(ids, **kwargs)
+    got = fh.generate(target, ids, assistant_model=draft, num_draft_tokens=5, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(models):
+    target, _ = models
+    ids, mask = left_pad(PROMPTS)
+    out = fh.generate(target, ids, attention_mask=mask, assistant_model=target,
+                      do_sample=True, max_new_tokens=11, seed=list(range(8)),
+                      num_draft_tokens=4, return_dict_in_generate=True, **CONTROLS)
+    assert out.sequences.shape == (8, ids.shape[1] + 11)
+    assert torch.equal(out.num_drafted, torch.full((8,), 12))  # 3 rounds of 4 drafts
+    assert int(out.num_accepted.sum()) >= 8 * 12 - 2  # float rounding may reject one or two
