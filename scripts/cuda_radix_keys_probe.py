@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from fastsample import select
+from fastsample.ops import select
 
 
 def _median_ms(fn, repeats: int = 20) -> float:

@@ -25,7 +25,7 @@ import torch
 from fused_exp_probe import _median_ms  # the sibling probe's timer (scripts/ is on the path)
 from torch.utils.cpp_extension import load_inline
 
-from fastsample import select
+from fastsample.ops import select
 
 KERNEL = r"""
 #include <torch/extension.h>
