@@ -42,6 +42,7 @@ MODES: tuple[Mode, ...] = (
     Mode("verify", "verify"),
     Mode("distributed", "distributed"),
     Mode("controls", "controls"),
+    Mode("generate", "generate"),
 )
 """Checked in order; the first chosen one runs."""
 
@@ -134,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="benchmark speculative-decoding verification instead (fastsample.tools.bench.verify)",
+    )
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="benchmark text generation with transformers: fastsample.hf's loop and speculative "
+        "decoding against generate and assisted generation (fastsample.tools.bench.generate; "
+        "needs fastsample[hf])",
     )
 
 
