@@ -162,9 +162,14 @@ def speculative_generate(
         target_valid = torch.ones_like(target_feed, dtype=torch.bool)
         target_logits = target(target_feed, target_valid, (count - 1)[:, None] + columns)
         vocab = target_logits.shape[-1]
-        target_probs = torch.stack(
-            [processed(target_logits[:, i], job, history, drafts[:i]) for i in range(k + 1)], 1
-        )
+        if history is None:  # no processors: one call for all K+1 positions
+            flat = target_logits.reshape(batch * (k + 1), vocab).to(torch.float32)
+            target_probs = process(flat, **job.controls.sample_kwargs()).view(batch, k + 1, vocab)
+        else:  # processors read the context, which differs per position
+            target_probs = torch.stack(
+                [processed(target_logits[:, i], job, history, drafts[:i]) for i in range(k + 1)],
+                dim=1,
+            )
         q_all = torch.stack(draft_probs, dim=1)
         if q_all.shape[-1] != vocab:
             raise ValueError(
