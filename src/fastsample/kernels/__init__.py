@@ -13,22 +13,15 @@ Entry points (import the submodule you need; none is imported by ``import fastsa
 * :mod:`.ops` -- the launchers registered as ``torch.library.triton_op`` and the two entry
   points ``sampling.py`` dispatches to.
 
-Triton's interpreter. ``@triton.jit`` decides at *decoration* time whether a kernel is
-compiled or interpreted (``TRITON_INTERPRET=1``). This package is imported before any of its
-kernel modules, so it is the one place that decides: on a machine where
-``torch.cuda.is_available()`` is False and ``TRITON_INTERPRET`` is unset, it sets
-``TRITON_INTERPRET=1`` (the kernels can only run on CPU tensors there). On a CUDA machine
-nothing is set; run with ``TRITON_INTERPRET=1`` in the environment to interpret the kernels
-on CPU tensors there (see :func:`.backend.interpreted`). This works the same under pytest
-and from the command line, whatever imported ``triton`` first, because triton reads the
-variable when each kernel is decorated.
+Triton's interpreter. ``@triton.jit`` decides at *decoration* time (when a kernel module is
+imported) whether a kernel is compiled or interpreted (``TRITON_INTERPRET=1``). Importing this
+package changes nothing; :func:`.backend.use_triton` decides, at the first call that asks for
+Triton on a non-CUDA tensor: if ``torch.cuda.is_available()`` is False and
+``TRITON_INTERPRET`` is unset, it sets ``TRITON_INTERPRET=1`` before any kernel module is
+imported. So ``FASTSAMPLE_BACKEND=triton python -m ...`` runs the kernels interpreted on a
+CPU-only machine, and a process that never asks for Triton on CPU never has the variable set
+(other Triton users, e.g. inductor on another accelerator, are left alone). On a CUDA machine
+the kernels are compiled unless ``TRITON_INTERPRET=1`` was set before they were imported;
+code that imports a kernel module directly (tests) sets the variable first
+(``tests/kernels/conftest.py`` does).
 """
-
-from __future__ import annotations
-
-import os
-
-import torch
-
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"

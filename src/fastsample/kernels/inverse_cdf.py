@@ -305,7 +305,7 @@ def inverse_cdf(
             (batch, triton.cdiv(vocab, sizes["TILE"])), dtype=torch.float64, device=probs.device
         )
         launch.count_launch()
-        _inverse_cdf_kernel[launch.grid(batch, sizes["ROWS"])](
+        launch.launcher(_inverse_cdf_kernel, INTERPRETED)[launch.grid(batch, sizes["ROWS"])](
             probs, batch, vocab, probs.stride(0), probs.stride(1), sums, sums.stride(0),
             *_counter_args(seed, step, stream), ids, p_out, logp_out, valid,
             HAS_STEP=step is not None, STREAM_ROWS=isinstance(stream, Tensor),
@@ -343,7 +343,7 @@ def draw_from_sums(
         raise ValueError(f"sums must be ({batch}, ceil(V / 256)) float64 with unit column stride")
     if batch:
         launch.count_launch()
-        _draw_kernel[launch.grid(batch, sizes["ROWS"])](
+        launch.launcher(_draw_kernel, INTERPRETED)[launch.grid(batch, sizes["ROWS"])](
             weights, batch, vocab, weights.stride(0), weights.stride(1), sums, sums.stride(0),
             total, clean, *_counter_args(seed, step, stream), ids, p_out, logp_out, valid,
             HAS_STEP=step is not None, STREAM_ROWS=isinstance(stream, Tensor), **sizes,

@@ -14,7 +14,13 @@ work per call (together with a dispatch mode for the aten ops).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import torch
 import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from ..ops.inverse_cdf import BLOCK as SUM_BLOCK  # the torch path's block, shared (256)
 
@@ -53,3 +59,47 @@ def tile_width(vocab: int) -> int:
 
 def grid(batch: int, rows: int) -> tuple[int]:
     return (triton.cdiv(batch, rows),)
+
+
+def launcher(kernel, interpreted: bool):
+    """``kernel`` as a launcher should launch it: ``launcher(k, INTERPRETED)[grid](*args)``.
+
+    Compiled: through ``wrap_triton``, so ``torch.compile`` traces the ``triton_op`` around it.
+    Interpreted: as it is, except when ``triton.language`` was imported before
+    ``TRITON_INTERPRET`` was set (``torch._dynamo`` imports it, e.g. after a ``torch.compile``):
+    its ``@jit`` helpers (``tl.sum``, ``tl.zeros``...) are then compiled-mode functions that the
+    interpreter cannot call, so for the duration of the launch they run interpreted too.
+    """
+    if not interpreted:
+        return torch.library.wrap_triton(kernel)
+    if isinstance(tl.zeros, InterpretedFunction):
+        return kernel
+    return _StandardLibraryInterpreted(kernel)
+
+
+class _StandardLibraryInterpreted:
+    """``kernel[grid](...)`` with ``JITFunction.__call__`` interpreting, during the launch."""
+
+    _interpreted: ClassVar[dict] = {}
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            original = JITFunction.__call__
+            JITFunction.__call__ = _StandardLibraryInterpreted._call  # type: ignore[method-assign]
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                JITFunction.__call__ = original  # type: ignore[method-assign]
+
+        return launch
+
+    @staticmethod
+    def _call(function, *args, **kwargs):
+        interpreted = _StandardLibraryInterpreted._interpreted.get(function.fn)
+        if interpreted is None:
+            interpreted = InterpretedFunction(function.fn)
+            _StandardLibraryInterpreted._interpreted[function.fn] = interpreted
+        return interpreted(*args, **kwargs)

@@ -185,7 +185,7 @@ def counter_uniforms(
     rows = launch.rows_per_program(batch, INTERPRETED)
     if batch and length:
         launch.count_launch()
-        _counter_uniforms_kernel[launch.grid(batch, rows)](
+        launch.launcher(_counter_uniforms_kernel, INTERPRETED)[launch.grid(batch, rows)](
             seed, step, stream, out, batch, start, length,
             seed.stride(0), step.stride(0), stream.stride(0),
             PURPOSE=int(purpose), NOISE=noise, LOG1P=not INTERPRETED, ROWS=rows,

@@ -175,7 +175,7 @@ def race(
         rows = launch.rows_per_program(batch, INTERPRETED)
         stream_rows = isinstance(stream, Tensor)
         launch.count_launch()
-        _race_kernel[launch.grid(batch, rows)](
+        launch.launcher(_race_kernel, INTERPRETED)[launch.grid(batch, rows)](
             probs, batch, vocab, probs.stride(0), probs.stride(1),
             seed, seed.stride(0), seed if step is None else step,
             0 if step is None else step.stride(0),
