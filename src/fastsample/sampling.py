@@ -16,14 +16,16 @@ import torch
 from torch import Tensor
 
 from .controls import Processed, processed_weights
+from .kernels import backend
 from .ops import small_top_k
 from .ops import validation as v
 from .ops.inverse_cdf import inverse_cdf_draw, row_summaries
 from .ops.noise import UniformSource
 from .ops.race import race_draw, repeat_last_genuine
-from .ops.seeds import make_source
+from .ops.seeds import check_stream_values, make_source, stream_ok
 from .ops.select import block_maxima, first_in_block, top_entries
 from .ops.validation import check_controls, check_source
+from .ops.weights import probs_total_fits
 
 
 class SampleOutput(NamedTuple):
@@ -92,8 +94,12 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
         token_ids, genuine = race_draw(probs, num_samples, source)
     else:
         token_ids, genuine, total = inverse_cdf_draw(probs, num_samples, source, sums=sums)
-    # `total > 0` fails for NaN and -inf, `total < inf` for +inf (one op each; isfinite is 3).
-    clean = (smallest >= 0) & (total > 0) & (total < math.inf)
+    # `total > 0` fails for NaN and -inf, `total_fits` for +inf and float32 overflow (one op
+    # each; isfinite is 3).
+    clean = (smallest >= 0) & (total > 0) & v.total_fits(total, probs.dtype)
+    ok = stream_ok(source)
+    if ok is not None:  # an out-of-range tensor stream: flagged like a bad value
+        clean = clean & ok
 
     return _finish(probs, token_ids, genuine, total, clean)
 
@@ -143,7 +149,24 @@ def _checked_source(
     source = make_source(generator, seed, step, stream, probs.shape[0], probs.device)  # type: ignore[arg-type]
     if v.check_flag(check, "check"):
         v.check_probs_values(probs)
+        check_stream_values(source)
     return source
+
+
+def _flag_rows(out: SampleOutput, ok: Tensor | None) -> SampleOutput:
+    """The bad-row policy for rows that ``ok`` rejects (out-of-range tensor ``stream``)."""
+    if ok is None:
+        return out
+    keep = ok[:, None]
+    fallback = torch.arange(out.token_ids.shape[1], device=ok.device).expand_as(out.token_ids)
+    logprobs, top = out.logprobs, out.top_logprobs
+    return out._replace(
+        token_ids=torch.where(keep, out.token_ids, fallback),
+        probs=torch.where(keep, out.probs, 0.0),
+        valid=out.valid & ok,
+        logprobs=None if logprobs is None else torch.where(keep, logprobs, -math.inf),
+        top_logprobs=None if top is None else torch.where(keep, top, -math.inf),
+    )
 
 
 def sample_from_probs(
@@ -195,8 +218,14 @@ def sample_from_probs(
     """
     method = v.check_method(method)
     source = _checked_source(probs, num_samples, generator, seed, step, stream, check)
+    probs = v.detached(probs)  # sampling is not differentiable: values only
     if method == "auto":
         method = choose_method(probs, num_samples, seeded=seed is not None)
+    if backend.use_triton(probs.device.type):  # FASTSAMPLE_BACKEND; kernels/backend.py
+        ids, token_probs, logprobs, valid = backend.kernel_ops().sample_from_probs(
+            probs, num_samples, method, source
+        )
+        return SampleOutput(ids, token_probs, valid, logprobs)
     return _draw(probs, num_samples, method, source)
 
 
@@ -243,6 +272,9 @@ def fast_sample(
         torch.Size([4, 2])
     """
     source = _checked_source(probs, num_samples, generator, seed, step, stream, check)
+    probs = v.detached(probs)  # sampling is not differentiable: values only
+    if backend.use_triton(probs.device.type):  # FASTSAMPLE_BACKEND; kernels/backend.py
+        return backend.kernel_ops().fast_sample(probs, num_samples, source)
     token_ids = _draw(probs, num_samples, "race", source).token_ids
     return probs.gather(1, token_ids), token_ids
 
@@ -348,9 +380,14 @@ def sample(
     if v.check_flag(check, "check"):
         v.check_source_values(logits, probs)
         v.check_control_values(controls)
+        check_stream_values(source)
+    # Sampling is not differentiable: values only, once, after the checks.
+    source_tensor = v.detached(source_tensor)
+    logits, probs = (source_tensor, None) if logits is not None else (None, source_tensor)
+    ok = stream_ok(source)
 
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
-        return _all_greedy(source_tensor, logits is not None, num_samples)
+        return _flag_rows(_all_greedy(source_tensor, logits is not None, num_samples), ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
         got = small_top_k.draw(logits, controls, num_samples, source)
@@ -360,7 +397,7 @@ def sample(
             out = _with_top_logprobs(
                 out, logits, num_top, got.maxima, got.read, got.total, got.valid
             )
-        return out
+        return _flag_rows(out, ok)
     processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
     if controls.all_greedy:  # nothing random: skip the draw
         token_ids, genuine = _greedy_draws(
@@ -378,7 +415,11 @@ def sample(
             )
             token_ids = torch.where(processed.greedy[:, None], greedy_ids, token_ids)
             genuine = torch.where(processed.greedy[:, None], greedy_genuine, genuine)
-    out = _finish(processed.weights, token_ids, genuine, total, processed.valid)
+    valid = processed.valid
+    fits = None if probs is None else probs_total_fits(probs, controls, processed.total)
+    if fits is not None:  # the overflow rule of sample_from_probs; greedy rows need no sum
+        valid = valid & (fits if processed.greedy is None else fits | processed.greedy)
+    out = _finish(processed.weights, token_ids, genuine, total, valid)
     greedy = processed.greedy
     if greedy is not None:  # a point mass: probability 1 for every genuine greedy draw
         point = out.valid[:, None] & genuine & greedy[:, None]
@@ -394,10 +435,10 @@ def sample(
             processed.maxima,
             lambda ids: processed.weights.gather(1, ids),
             processed.total,
-            processed.valid,
+            valid,
             processed.greedy,
         )
-    return out
+    return _flag_rows(out, ok)
 
 
 def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutput:
