@@ -113,3 +113,19 @@ def test_a_draft_equal_to_the_target_is_always_accepted(models):
     assert out.sequences.shape == (8, ids.shape[1] + 11)
     assert torch.equal(out.num_drafted, torch.full((8,), 12))  # 3 rounds of 4 drafts
     assert int(out.num_accepted.sum()) >= 8 * 12 - 2  # float rounding may reject one or two
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "speculative"])
+def test_processors_see_each_rows_own_context(models, draft):
+    """Greedy decoding with processors that read the sequence (repetition penalty, no-repeat
+    n-grams, min_new_tokens against an EOS the model favours) equals model.generate token for
+    token, in a left-padded batch where speculative rows run ahead of each other."""
+    target, draft_model = models
+    ids, mask = left_pad([[4, 8, 15, 16, 23, 42], [7, 7], [9, 3, 11]])
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=14,
+                  repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=6,
+                  eos_token_id=int(free[0, -1]))
+    expected = target.generate(ids, **kwargs)
+    extra = dict(assistant_model=draft_model, num_draft_tokens=3) if draft else {}
+    assert torch.equal(fh.generate(target, ids, **extra, **kwargs), expected)

@@ -24,6 +24,10 @@ When transformers calls it that way it keeps ``assistant_model`` and ``streamer`
 (they never reach a custom loop): pass the draft as ``draft_model=`` instead, and call
 ``fastsample.hf.generate`` directly to stream.
 
+Logits processors run before fastsample's controls, on the sequence each row has so far;
+speculative decoding calls them once per draft position and row length, so they must not
+keep state from call to call (transformers' built-in ones do not).
+
 Not supported (raises): beam search, ``typical_p``/``epsilon_cutoff``/``eta_cutoff``,
 continuing from a filled cache, encoder-decoder models, extra model inputs. Streamers see
 tokens of batch size 1 only in speculative decoding (as transformers' streamers require).

@@ -69,14 +69,10 @@ class RowTokens:
         self.buffer.scatter_(1, columns, torch.where(keep, tokens, current))
         self.generated = self.generated + counts
 
-    def left_padded(self) -> Tensor:
-        """``(B, W)`` current sequences ending at the last column (pad on the left), the
-        layout logits processors expect."""
-        lengths = self.prompt_length + self.generated
-        width = int(lengths.max())
-        columns = torch.arange(width, device=lengths.device) - (width - lengths[:, None])
-        tokens = self.buffer.gather(1, columns.clamp_min(0))
-        return torch.where(columns >= 0, tokens, self.pad)
+    def row(self, b: int) -> Tensor:
+        """Row ``b``'s sequence so far (its prompt with the batch's left padding, then its
+        tokens): what the plain loop would hand the logits processors for this request."""
+        return self.buffer[b, : self.prompt_length + int(self.generated[b])]
 
     def sequences(self) -> Tensor:
         """The output layout: prompts, then each row's tokens, padded on the right."""
@@ -84,14 +80,25 @@ class RowTokens:
 
 
 def processed(
-    logits: Tensor, job: Prepared, history: Tensor | None, drafts: list[Tensor]
+    logits: Tensor, job: Prepared, rows: RowTokens | None, drafts: list[Tensor]
 ) -> Tensor:
-    """The distribution sampled from after ``history`` + ``drafts``: processors, then
-    fastsample's controls, as in the plain loop. ``(B, V)`` float32 probabilities."""
+    """The distribution sampled from after each row's tokens + ``drafts``: processors, then
+    fastsample's controls, as in the plain loop. ``(B, V)`` float32 probabilities.
+
+    Processors expect every row at the same length, and some keep per-row state shaped by
+    the batch (repetition penalty's prompt lengths), so they run on the whole batch once per
+    distinct row length ``n``, on ``tokens[:, :n] + drafts``; each row keeps the result of
+    the call made at its own length, where it sees exactly the sequence the plain loop would
+    show it (``rows=None``: no processors)."""
     scores = logits.to(torch.float32)
-    if len(job.processors) > 0 and history is not None:
-        context = torch.cat((history, *[d[:, None] for d in drafts]), dim=1)
-        scores = job.processors(context, scores.clone())
+    if rows is not None:
+        lengths = rows.prompt_length + rows.generated
+        result = scores
+        for length in sorted(set(lengths.tolist())):
+            context = torch.cat((rows.buffer[:, :length], *[d[:, None] for d in drafts]), 1)
+            mine = job.processors(context, scores.clone())
+            result = torch.where((lengths == length)[:, None], mine, result)
+        scores = result
     return process(scores, **job.controls.sample_kwargs())
 
 
@@ -134,7 +141,7 @@ def speculative_generate(
         done[:] = True
 
     while not bool(done.all()):
-        history = rows.left_padded() if len(job.processors) > 0 else None
+        history = rows if len(job.processors) > 0 else None
         # 1. Draft K tokens.
         if held_draft is None:  # first round: the draft only lacks `last`
             feed, feed_pos = last[:, None], (count - 1)[:, None]
@@ -205,8 +212,7 @@ def speculative_generate(
         done = done | finished_by_eos | (rows.generated >= budget)
         for criterion in other_criteria:  # per row: each row's sequence has its own length
             for b in torch.nonzero(~done).flatten().tolist():
-                row = rows.buffer[b : b + 1, : rows.prompt_length + int(rows.generated[b])]
-                if bool(torch.as_tensor(criterion(row, None)).any()):
+                if bool(torch.as_tensor(criterion(rows.row(b)[None], None)).any()):
                     done[b] = True
         count = count + accepted + 1
 
