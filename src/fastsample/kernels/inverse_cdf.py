@@ -41,7 +41,7 @@ from torch import Tensor
 from ..ops.seeds import Purpose
 from . import launch
 from .philox import INTERPRETED, uniform_at
-from .rowwise import finish, row_counters, toward_zero
+from .rowwise import finish, row_counters, stream_in_range, total_fits, toward_zero
 
 DRAW: tl.constexpr = int(Purpose.DRAW)  # the counter purpose of per-draw uniforms
 MAX_SUMS_TILE = 1024  # block sums scanned per step (all of them for V <= 262,144)
@@ -63,7 +63,7 @@ def block_sums_stage(
 ):
     """Store each row's float64 block sums to ``sums``; return ``(total, clean)``, ``(ROWS,)``.
 
-    ``clean``: no NaN, no negative weight, ``0 < total < inf`` (the torch path's test).
+    ``clean``: no NaN, no negative weight, ``0 < total``, no overflow (the torch path's test).
     """
     row_base = probs_ptr + rows[:, None].to(tl.int64) * row_stride
     offsets = tl.arange(0, TILE)[None, :].to(tl.int64)
@@ -79,7 +79,7 @@ def block_sums_stage(
         tl.store(sums_ptr + rows.to(tl.int64) * sums_stride + start // TILE, block_sum, mask=live)
         total += block_sum
         bad += tl.sum(((x < 0) | (x != x)).to(tl.int32), 1)
-    return total, (bad == 0) & (total > 0) & (total < float("inf"))
+    return total, (bad == 0) & total_fits(total, SUM_F64)
 
 
 @triton.jit
@@ -219,6 +219,7 @@ def _inverse_cdf_kernel(
         probs_ptr, row_stride, col_stride, rows, live, vocab, sums_ptr, sums_stride,
         ROWS, TILE, SUM_F64,
     )  # fmt: skip
+    clean = clean & stream_in_range(rows, live, stream_ptr, stream_stride, STREAM_ROWS)
     tl.debug_barrier()  # the sums just stored are read back by other threads of the program
     c1, c2, c3, k0, k1 = row_counters(
         rows, live, seed_ptr, seed_stride, step_ptr, step_stride, stream_ptr, stream_stride,
@@ -248,6 +249,7 @@ def _draw_kernel(
     rows = tl.where(live, rows, 0)
     total = tl.load(total_ptr + rows, mask=live, other=0.0)
     clean = tl.load(clean_ptr + rows, mask=live, other=0) != 0
+    clean = clean & stream_in_range(rows, live, stream_ptr, stream_stride, STREAM_ROWS)
     c1, c2, c3, k0, k1 = row_counters(
         rows, live, seed_ptr, seed_stride, step_ptr, step_stride, stream_ptr, stream_stride,
         stream_value, HAS_STEP, STREAM_ROWS, DRAW,
@@ -331,7 +333,8 @@ def draw_from_sums(
         sums: ``(B, ceil(V / 256))`` float64 block sums of ``weights`` over blocks of 256
             (one block when ``V < 256``), row stride free, unit column stride.
         total: ``(B,)`` float64, the normalizer of the returned probabilities.
-        clean: ``(B,)`` bool; False rows get the bad-row result.
+        clean: ``(B,)`` bool; False rows get the bad-row result (so do rows whose tensor
+            ``stream`` is out of range).
         num_samples, seed, step, stream: as in :func:`inverse_cdf`.
 
     Returns ``(token_ids, probs, logprobs, valid)`` as :func:`inverse_cdf`.

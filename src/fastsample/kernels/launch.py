@@ -65,41 +65,46 @@ def launcher(kernel, interpreted: bool):
     """``kernel`` as a launcher should launch it: ``launcher(k, INTERPRETED)[grid](*args)``.
 
     Compiled: through ``wrap_triton``, so ``torch.compile`` traces the ``triton_op`` around it.
-    Interpreted: as it is, except when ``triton.language`` was imported before
-    ``TRITON_INTERPRET`` was set (``torch._dynamo`` imports it, e.g. after a ``torch.compile``):
-    its ``@jit`` helpers (``tl.sum``, ``tl.zeros``...) are then compiled-mode functions that the
-    interpreter cannot call, so for the duration of the launch they run interpreted too.
+    Interpreted: with numpy's floating-point warnings off (bad rows overflow and divide by zero
+    by design; the GPU is silent about it too), and, when ``triton.language`` was imported
+    before ``TRITON_INTERPRET`` was set (``torch._dynamo`` imports it, e.g. after a
+    ``torch.compile``), with its ``@jit`` helpers (``tl.sum``, ``tl.zeros``...), which are then
+    compiled-mode functions the interpreter cannot call, interpreted for the launch too.
     """
     if not interpreted:
         return torch.library.wrap_triton(kernel)
-    if isinstance(tl.zeros, InterpretedFunction):
-        return kernel
-    return _StandardLibraryInterpreted(kernel)
+    return _Interpreted(kernel)
 
 
-class _StandardLibraryInterpreted:
-    """``kernel[grid](...)`` with ``JITFunction.__call__`` interpreting, during the launch."""
+class _Interpreted:
+    """``kernel[grid](...)`` run by the interpreter (see :func:`launcher`)."""
 
-    _interpreted: ClassVar[dict] = {}
+    _standard: ClassVar[dict] = {}
 
     def __init__(self, kernel):
         self.kernel = kernel
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            import numpy as np  # the interpreter's own dependency (not needed when compiled)
+
             original = JITFunction.__call__
-            JITFunction.__call__ = _StandardLibraryInterpreted._call  # type: ignore[method-assign]
+            patch = not isinstance(tl.zeros, InterpretedFunction)
+            if patch:
+                JITFunction.__call__ = _Interpreted._call  # type: ignore[method-assign]
             try:
-                return self.kernel[grid](*args, **kwargs)
+                with np.errstate(all="ignore"):
+                    return self.kernel[grid](*args, **kwargs)
             finally:
-                JITFunction.__call__ = original  # type: ignore[method-assign]
+                if patch:
+                    JITFunction.__call__ = original  # type: ignore[method-assign]
 
         return launch
 
     @staticmethod
     def _call(function, *args, **kwargs):
-        interpreted = _StandardLibraryInterpreted._interpreted.get(function.fn)
+        interpreted = _Interpreted._standard.get(function.fn)
         if interpreted is None:
             interpreted = InterpretedFunction(function.fn)
-            _StandardLibraryInterpreted._interpreted[function.fn] = interpreted
+            _Interpreted._standard[function.fn] = interpreted
         return interpreted(*args, **kwargs)

@@ -9,7 +9,8 @@ replacement are the ``n`` largest scores (ties to the lower index). A draw is ge
 score is positive; later slots of a row that ran out of positive weights repeat its last
 genuine draw. Alongside the first draw the same pass takes the float32 block sums (float64
 for float64 input) of :func:`fastsample.ops.inverse_cdf.block_sums`, their float64 total and
-the bad-value flags that decide ``clean`` (no NaN, no negative weight, ``0 < total < inf``).
+the bad-value flags that decide ``clean`` (no NaN, no negative weight, ``0 < total`` and no
+float32 overflow, a tensor ``stream`` in range).
 
 One program per row (a tile of rows in the interpreter); draw ``k > 0`` makes one more pass
 that takes the largest score ranked after draw ``k - 1`` (score descending, index
@@ -32,7 +33,7 @@ from torch import Tensor
 from ..ops.seeds import Purpose
 from . import launch
 from .philox import INTERPRETED, entry_uniforms, exponential_noise
-from .rowwise import finish, row_counters
+from .rowwise import finish, row_counters, stream_in_range, total_fits
 
 ENTRY: tl.constexpr = int(Purpose.ENTRY)  # the counter purpose of per-entry noise
 
@@ -117,7 +118,8 @@ def _race_kernel(
         best_score, best_column = _best_in_tile(
             scores, columns, first, none, best_score, best_column
         )
-    clean = (bad == 0) & (total > 0) & (total < float("inf"))
+    clean = (bad == 0) & total_fits(total, SUM_F64)
+    clean = clean & stream_in_range(rows, live, stream_ptr, stream_stride, STREAM_ROWS)
     tokens = tl.where(slots == 0, best_column[:, None], 0)
     genuine = tl.where(slots == 0, (best_score > 0)[:, None], False)
 

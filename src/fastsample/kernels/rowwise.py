@@ -9,6 +9,8 @@ Entry points (``@triton.jit``; rows are a ``(ROWS,)`` tile, slots a ``(ROWS, N_P
   as float32 (float64 for float64 input); bad rows (``clean`` False) get ids ``0..n-1``,
   probability 0, log-probability ``-inf``; ``valid = clean and every slot genuine``. With
   ``FAST`` it stores ``fast_sample``'s ``(sample_p, sample_index)`` instead.
+* :func:`stream_in_range` -- rows whose tensor ``stream`` is in ``[0, 2^24)``; and
+  :func:`total_fits` -- the torch path's overflow rule for row totals.
 * :func:`toward_zero` -- ``nextafter(x, 0)`` by the bit pattern (no libdevice in the
   interpreter); :func:`column` -- slot ``k`` of a ``(ROWS, N_PAD)`` tile.
 
@@ -59,12 +61,34 @@ def row_counters(
 
 
 @triton.jit
+def stream_in_range(rows, live, stream_ptr, stream_stride, STREAM_ROWS: tl.constexpr):
+    """``(ROWS,)`` bool: the row's tensor ``stream`` is in ``[0, 2^24)`` (always, for a Python
+    int, checked when given). Out of range is bad data: the row draws with the low 24 bits and
+    is flagged invalid, as on the torch path (``CounterSource.stream_ok``)."""
+    if STREAM_ROWS:
+        stream = tl.load(stream_ptr + rows * stream_stride, mask=live, other=0)
+        ok = (stream >= 0) & (stream < 0x1000000)
+    else:
+        ok = rows >= 0
+    return ok
+
+
+@triton.jit
 def toward_zero(x):
     """``nextafter(x, 0)`` for float64 ``x``: 0 stays 0, NaN stays NaN, inf -> max finite."""
     bits = x.to(tl.int64, bitcast=True)
     # The magnitude lives in the low 63 bits whatever the sign: one step down is bits - 1.
     stepped = (bits - 1).to(tl.float64, bitcast=True)
     return tl.where((x == 0.0) | (x != x), x, stepped)
+
+
+@triton.jit
+def total_fits(total, SUM_F64: tl.constexpr):
+    """``0 < total`` and no overflow of the accumulation dtype: ``< inf`` for float64 input,
+    ``< 2^128`` (float32 overflow) otherwise (``fastsample.ops.validation.total_fits``)."""
+    # 2^128 as a float64 constant (a bare literal could be narrowed to float32, i.e. inf).
+    limit = tl.full((), float("inf") if SUM_F64 else 2.0**128, tl.float64)
+    return (total > 0) & (total < limit)
 
 
 @triton.jit
