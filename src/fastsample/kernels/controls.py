@@ -35,11 +35,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..controls import Processed
 from ..ops.cuts import predecessor
 from ..ops.inverse_cdf import BLOCK
 from ..ops.validation import Controls
+from ..ops.weights import Processed, keeps_raw_probs
+from . import launch
+from .philox import INTERPRETED
+from .select import largest as max_of
 from .select import radix_threshold, tile_for
+from .select import smallest as min_of
+from .select import total as sum_of
 
 try:  # libdevice's correctly rounded-to-1-ulp exp/log on a GPU (torch's CUDA exp is the same)
     from triton.language.extra import libdevice
@@ -78,88 +83,95 @@ def _as_float64(bits):
     return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["t_bits", "k_value", "p_bits", "m_bits"])
-def _controls_kernel(
-    src_ptr,
-    src_stride,
-    n,
-    weights_ptr,
-    sums_ptr,
-    num_blocks,
-    total_ptr,
-    valid_ptr,
-    greedy_ptr,
-    greedy_ids_ptr,
-    t_ptr,
-    t_bits,
-    k_ptr,
-    k_value,
-    p_ptr,
-    p_bits,
-    m_ptr,
-    m_bits,
-    IS_LOGITS: tl.constexpr,
-    IS_F64: tl.constexpr,
-    NORMALIZE: tl.constexpr,
-    T_MODE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-    K_MODE: tl.constexpr,
-    P_MODE: tl.constexpr,
-    M_MODE: tl.constexpr,
-    CUT: tl.constexpr,
-    GREEDY: tl.constexpr,
-    TILE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PRECISE: tl.constexpr,
-):
-    if IS_F64:
-        FLOAT: tl.constexpr = tl.float64
-        FLOOR: tl.constexpr = 2.0**-1000
-        BELOW_ONE: tl.constexpr = 1.0 - 2.0**-53
-    else:
-        FLOAT: tl.constexpr = tl.float32
-        FLOOR: tl.constexpr = 2.0**-100
-        BELOW_ONE: tl.constexpr = 1.0 - 2.0**-24
-    row = tl.program_id(0).to(tl.int64)
-    src = src_ptr + row * src_stride
-    out = weights_ptr + row * n
-    lanes = tl.arange(0, TILE)
+@triton.jit
+def scan_row(src, n, IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr, TILE: tl.constexpr,
+             BLOCK: tl.constexpr):  # fmt: skip
+    """Pass 1 over a row of the input: ``(best, first maximal index, finite, plain total)``.
 
-    # Pass 1: maximum, minimum, NaN flag and the first maximal index of the input.
+    ``finite``: for logits no NaN, a finite maximum (an all ``-inf`` row has none); for
+    probabilities no NaN, no negative entry, ``0 < max < inf``. The plain total (probabilities
+    only, else 0) is the float64 sum of the input's block sums accumulated in float32 (float64
+    for float64 input), the numbers :func:`fastsample.ops.validation.plain_total_fits` tests.
+    """
+    FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32
+    lanes = tl.arange(0, TILE)
     best = tl.full((), float("-inf"), FLOAT)
-    smallest = tl.full((), float("inf"), FLOAT)
-    has_nan = tl.zeros((), dtype=tl.int1)
-    best_id = tl.zeros((), dtype=tl.int64)
+    least = tl.full((), float("inf"), FLOAT)
+    has_nan = tl.full((), 0, tl.int1)
+    best_id = tl.full((), 0, tl.int64)
+    plain = tl.full((), 0, tl.float64)
     for start in range(0, n, TILE):
         offs = start + lanes
         inside = offs < n
         x = tl.load(src + offs, mask=inside, other=float("-inf")).to(FLOAT)
-        has_nan = has_nan | (tl.sum((x != x).to(tl.int32), 0) > 0)
-        top = tl.max(x, 0)
-        first = tl.min(tl.where(x == top, offs, n), 0).to(tl.int64)
+        has_nan = has_nan | (sum_of((x != x).to(tl.int32), 0) > 0)
+        top = max_of(x, 0)
+        first = min_of(tl.where(x == top, offs, n), 0).to(tl.int64)
         better = top > best  # strictly: the first tile holding the maximum wins ties
         best_id = tl.where(better, first, best_id)
         best = tl.maximum(best, top)
         if not IS_LOGITS:
-            smallest = tl.minimum(smallest, tl.min(tl.where(inside, x, float("inf")), 0))
+            least = tl.minimum(least, min_of(tl.where(inside, x, float("inf")), 0))
+            kept = tl.where(inside, x, 0.0)
+            plain += sum_of(sum_of(tl.reshape(kept, (TILE // BLOCK, BLOCK)), 1).to(tl.float64), 0)
     if IS_LOGITS:
         # NaN rows, a +inf maximum and all -inf rows are bad (nothing to keep in the last).
         finite = (best > float("-inf")) & (best < float("inf")) & (has_nan == 0)
-        shift = tl.where(finite, best, 0.0)
     else:
-        finite = (smallest >= 0) & (best > 0) & (best < float("inf")) & (has_nan == 0)
-        shift = tl.where(finite, best, 1.0)
-    ok = finite
+        finite = (least >= 0) & (best > 0) & (best < float("inf")) & (has_nan == 0)
+    return best, tl.minimum(best_id, n - 1), finite, plain
 
-    # The controls of this row (Python numbers arrive as float64 bits).
+
+@triton.jit
+def stream_in_range(stream_ptr, row, STREAM_ROWS: tl.constexpr):
+    """Whether this row's tensor ``stream`` is in ``[0, 2**24)`` (always, for a number)."""
+    if STREAM_ROWS:
+        stream = tl.load(stream_ptr + row)
+        return (stream >= 0) & (stream < 16777216)
+    return tl.full((), 1, tl.int1)
+
+
+@triton.jit(do_not_specialize=["t_bits", "k_value", "p_bits", "m_bits"])
+def _controls_kernel(
+    src_ptr, src_stride, n, weights_ptr, sums_ptr, num_blocks, total_ptr, valid_ptr,
+    t_ptr, t_bits, k_ptr, k_value, p_ptr, p_bits, m_ptr, m_bits, stream_ptr,
+    IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr, NORMALIZE: tl.constexpr,
+    T_MODE: tl.constexpr, DIVIDE: tl.constexpr, K_MODE: tl.constexpr, P_MODE: tl.constexpr,
+    M_MODE: tl.constexpr, CUT: tl.constexpr, GREEDY: tl.constexpr, STREAM_ROWS: tl.constexpr,
+    TILE: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    if IS_F64:
+        FLOAT: tl.constexpr = tl.float64
+        FLOOR: tl.constexpr = 2.0**-1000
+        BELOW_ONE: tl.constexpr = 1.0 - 2.0**-53
+        TINY: tl.constexpr = 2.2250738585072014e-308
+        FITS_BELOW: tl.constexpr = float("inf")
+    else:
+        FLOAT: tl.constexpr = tl.float32
+        FLOOR: tl.constexpr = 2.0**-100
+        BELOW_ONE: tl.constexpr = 1.0 - 2.0**-24
+        TINY: tl.constexpr = 1.1754943508222875e-38
+        FITS_BELOW: tl.constexpr = 2.0**128  # float32 block sums overflow there
+    row = tl.program_id(0).to(tl.int64)
+    src = src_ptr + row * src_stride
+    out = weights_ptr + row * n
+    sums_row = sums_ptr + row * num_blocks
+    lanes = tl.arange(0, TILE)
+
+    best, best_id, finite, plain = scan_row(src, n, IS_LOGITS, IS_F64, TILE, BLOCK)
+    shift = tl.where(finite, best, 0.0 if IS_LOGITS else 1.0)
+    ok = finite & stream_in_range(stream_ptr, row, STREAM_ROWS)
+
+    # The controls of this row (Python numbers arrive as float64 bits). Temperatures below
+    # the dtype's smallest normal number divide by it (the torch path's T -> 0+ limit).
     if T_MODE == TENSOR:
         t = tl.load(t_ptr + row)
         ok = ok & (t >= 0) & (t < float("inf"))
         usable = (t > 0) & (t < float("inf"))
-        divisor = tl.where(usable, t, 1.0).to(FLOAT)
+        divisor = tl.maximum(tl.where(usable, t, 1.0).to(FLOAT), TINY)
         greedy = t == 0
     else:
-        divisor = _as_float64(t_bits).to(FLOAT)
+        divisor = tl.maximum(_as_float64(t_bits), TINY).to(FLOAT)
         greedy = tl.full((), T_MODE == ZERO, tl.int1)
     if K_MODE == TENSOR:
         k_raw = tl.load(k_ptr + row)
@@ -178,8 +190,9 @@ def _controls_kernel(
     else:
         min_p = _as_float64(m_bits)
 
-    # Pass 2: the weights (block sums too when nothing will be cut).
-    total = tl.zeros((), dtype=tl.float64)
+    # Pass 2: the weights (block sums too when nothing will be cut). A greedy row's weights
+    # are the point mass at its first maximal index: every later stage then serves it.
+    total = tl.full((), 0, tl.float64)
     for start in range(0, n, TILE):
         offs = start + lanes
         inside = offs < n
@@ -195,24 +208,26 @@ def _controls_kernel(
                 w = _div(w, shift, IS_F64)
             if DIVIDE:
                 w = _exp(_div(_log(w, PRECISE), divisor, IS_F64), PRECISE)
+        if GREEDY:
+            w = tl.where(greedy, tl.where(offs == best_id, 1.0, 0.0).to(FLOAT), w)
         if CUT == PLAIN_MIN_P:  # threshold_(w, pred(min_p), 0): NaN stays NaN
             w = tl.where(w <= _as_float64(m_bits).to(FLOAT), 0.0, w)
         w = tl.where(inside, w, 0.0)
         tl.store(out + offs, w, mask=inside)
         if CUT != SCALED_CUT:
-            total += _store_block_sums(w, sums_ptr + row * num_blocks, start, num_blocks, BLOCK)
+            total += _store_block_sums(w, sums_row, start, num_blocks, BLOCK)
 
     if CUT == SCALED_CUT:
         # The threshold passes read the weights this program wrote, in another layout.
         tl.debug_barrier()
-        cut = tl.zeros((), dtype=FLOAT)
+        cut = tl.full((), 0, FLOAT)
         if K_MODE != OFF:
-            cut_k = tl.zeros((), dtype=FLOAT)
+            cut_k = tl.full((), 0, FLOAT)
             if (k > 0) & (k < n):  # an off row skips the rounds
                 cut_k = radix_threshold(out, n, k, False, False, IS_F64, TILE)
             cut = cut_k
         if P_MODE != OFF:
-            cut_p = tl.zeros((), dtype=FLOAT)
+            cut_p = tl.full((), 0, FLOAT)
             if p < 1:
                 if K_MODE != OFF:
                     # The top-k survivors' mass: what keep_at_least(w, cut_k) keeps.
@@ -223,7 +238,7 @@ def _controls_kernel(
             cut = tl.maximum(cut, cut_p)
         if M_MODE != OFF:
             cut = tl.maximum(cut, min_p.to(FLOAT))
-        scale = tl.maximum(cut, FLOOR)
+        scale = tl.where(greedy, 1.0, tl.maximum(cut, FLOOR))
         # Pass 3: the kept weights fl(w / s), zeroed where below 1, and their block sums.
         for start in range(0, n, TILE):
             offs = start + lanes
@@ -232,14 +247,13 @@ def _controls_kernel(
             q = _div(w, scale, IS_F64)
             q = tl.where(q <= BELOW_ONE, 0.0, q)
             tl.store(out + offs, q, mask=inside)
-            total += _store_block_sums(q, sums_ptr + row * num_blocks, start, num_blocks, BLOCK)
+            total += _store_block_sums(q, sums_row, start, num_blocks, BLOCK)
 
     valid = ok & (total > 0) & (total < float("inf"))
+    if not IS_LOGITS:  # sample_from_probs' overflow rule; a greedy row needs no sum
+        valid = valid & ((plain < FITS_BELOW) | greedy)
     tl.store(total_ptr + row, total)
     tl.store(valid_ptr + row, valid)
-    if GREEDY:
-        tl.store(greedy_ptr + row, greedy)
-        tl.store(greedy_ids_ptr + row, tl.minimum(best_id, n - 1))
 
 
 @triton.jit
@@ -247,20 +261,20 @@ def _store_block_sums(w, sums_row, start, num_blocks, BLOCK: tl.constexpr):
     """Store the float64 sums of the tile's blocks of ``BLOCK`` (accumulated in the weights'
     dtype, as :func:`fastsample.ops.inverse_cdf.block_sums`); return their float64 sum."""
     TILE: tl.constexpr = w.shape[0]  # a multiple of BLOCK (zeros past the row)
-    sums = tl.sum(tl.reshape(w, (TILE // BLOCK, BLOCK)), 1).to(tl.float64)
+    sums = sum_of(tl.reshape(w, (TILE // BLOCK, BLOCK)), 1).to(tl.float64)
     ids = start // BLOCK + tl.arange(0, TILE // BLOCK)
     tl.store(sums_row + ids, sums, mask=ids < num_blocks)
-    return tl.sum(sums, 0)
+    return sum_of(sums, 0)
 
 
 @triton.jit
 def _kept_mass(row_ptr, n, scale, TILE: tl.constexpr):
     """float64 mass of the entries ``>= scale`` (those ``keep_at_least`` keeps)."""
-    mass = tl.zeros((), dtype=tl.float64)
+    mass = tl.full((), 0, tl.float64)
     for start in range(0, n, TILE):
         offs = start + tl.arange(0, TILE)
         w = tl.load(row_ptr + offs, mask=offs < n, other=0.0)
-        mass += tl.sum(tl.where(w >= scale, w, 0.0).to(tl.float64), 0)
+        mass += sum_of(tl.where(w >= scale, w, 0.0).to(tl.float64), 0)
     return mass
 
 
@@ -275,80 +289,75 @@ def _mode(value: object) -> int:
     return TENSOR if isinstance(value, Tensor) else NUMBER
 
 
-def processed_weights(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Processed:
-    """:func:`fastsample.controls.processed_weights` in one launch (``maxima`` is None).
+def outputs(source: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty ``(weights, sums, total, valid)`` for ``source`` (also the fake kernel's)."""
+    batch, vocab = source.shape
+    dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
+    return (
+        source.new_empty((batch, vocab), dtype=dtype),
+        source.new_empty((batch, -(-vocab // BLOCK)), dtype=torch.float64),
+        source.new_empty((batch,), dtype=torch.float64),
+        source.new_empty((batch,), dtype=torch.bool),
+    )
+
+
+def processed_weights(
+    logits: Tensor | None,
+    probs: Tensor | None,
+    controls: Controls,
+    stream: Tensor | None = None,
+) -> Processed:
+    """:func:`fastsample.controls.processed_weights` in one launch, as a sampler needs it.
+
+    Differences from the torch function, all on the sampler's side of the contract: greedy
+    rows' weights are already the point mass at their first maximal index (so ``greedy``,
+    ``greedy_ids`` and ``maxima`` are None); ``valid`` already includes
+    :func:`~fastsample.ops.weights.probs_total_fits` for probabilities (greedy rows exempt)
+    and, with a ``(B,)`` tensor ``stream``, whether it is in ``[0, 2**24)``.
 
     Arguments are already checked (exactly one of ``logits``/``probs``; ``controls`` from
-    :func:`fastsample.ops.validation.check_controls`). No host sync, no tensor op besides
-    the launch and the empty outputs.
+    :func:`fastsample.ops.validation.check_controls`). No host sync; no tensor op but the
+    launch and its empty outputs.
     """
     source = logits if logits is not None else probs
     assert source is not None
     if source.stride(-1) != 1:
         source = source.contiguous()
     batch, vocab = source.shape
-    device = source.device
-    is_f64 = source.dtype == torch.float64
-    dtype = torch.float64 if is_f64 else torch.float32
-    num_blocks = -(-vocab // BLOCK)
-    weights = torch.empty(batch, vocab, dtype=dtype, device=device)
-    sums = torch.empty(batch, num_blocks, dtype=torch.float64, device=device)
-    total = torch.empty(batch, dtype=torch.float64, device=device)
-    valid = torch.empty(batch, dtype=torch.bool, device=device)
+    weights, sums, total, valid = outputs(source)
+    if batch == 0:
+        return Processed(weights, sums, total, valid, None, None, None)
     t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
     t_mode = ZERO if controls.all_greedy else _mode(t)
-    greedy_possible = t_mode in (TENSOR, ZERO)
-    greedy = torch.empty(batch, dtype=torch.bool, device=device) if greedy_possible else None
-    greedy_ids = torch.empty(batch, dtype=torch.int64, device=device) if greedy_possible else None
-    if batch == 0:
-        return Processed(weights, sums, total, valid, greedy, greedy_ids, None)
     is_logits = logits is not None
-    filters = controls.filters
-    if not filters:
+    if not controls.filters or t_mode == ZERO:
         cut = NO_CUT
     elif is_logits and k is None and p is None and isinstance(m, float):
         cut = PLAIN_MIN_P  # every weight <= 1 = the largest: one threshold, no scaling
     else:
         cut = SCALED_CUT
-    # weights_from_probs hands float32 probabilities of an even width over untouched when
-    # nothing will change them; the same numbers here, not p / max p.
-    normalize = not (t is None and not filters and source.dtype == dtype and vocab % 2 == 0)
-    dummy = total  # a pointer for controls given as numbers (never read)
+    dtype = weights.dtype
+    # weights_from_probs hands probabilities over untouched when nothing will change them:
+    # the same numbers here, not p / max p.
+    normalize = not keeps_raw_probs(source, t, controls.filters)
     if cut == PLAIN_MIN_P:
-        min_p_bits = _bits(predecessor(m, dtype))
+        min_p_bits = _bits(predecessor(m, dtype))  # type: ignore[arg-type]
     else:
         min_p_bits = _bits(m if isinstance(m, float) else 0.0)
-    _controls_kernel[(batch,)](
-        source,
-        source.stride(0),
-        vocab,
-        weights,
-        sums,
-        num_blocks,
-        total,
-        valid,
-        greedy if greedy is not None else valid,
-        greedy_ids if greedy_ids is not None else dummy,
-        t if isinstance(t, Tensor) else dummy,
-        _bits(t if isinstance(t, float) else 1.0),
-        k if isinstance(k, Tensor) else dummy,
-        k if isinstance(k, int) else 0,
-        p if isinstance(p, Tensor) else dummy,
-        _bits(p if isinstance(p, float) else 1.0),
-        m if isinstance(m, Tensor) else dummy,
-        min_p_bits,
-        IS_LOGITS=is_logits,
-        IS_F64=is_f64,
-        NORMALIZE=normalize,
-        T_MODE=t_mode,
-        DIVIDE=t_mode in (NUMBER, TENSOR),
-        K_MODE=_mode(k),
-        P_MODE=_mode(p),
-        M_MODE=_mode(m),
-        CUT=cut,
-        GREEDY=greedy_possible,
-        TILE=max(tile_for(vocab, device.type == "cpu"), BLOCK),
-        BLOCK=BLOCK,
-        PRECISE=device.type != "cpu" and libdevice is not None,
-    )
-    return Processed(weights, sums, total, valid, greedy, greedy_ids, None)
+    dummy = total  # the pointer of a control given as a number (never read)
+    launch.count_launch()
+    launch.launcher(_controls_kernel, INTERPRETED)[(batch,)](
+        source, source.stride(0), vocab, weights, sums, sums.shape[1], total, valid,
+        t if isinstance(t, Tensor) else dummy, _bits(t if isinstance(t, float) else 1.0),
+        k if isinstance(k, Tensor) else dummy, k if isinstance(k, int) else 0,
+        p if isinstance(p, Tensor) else dummy, _bits(p if isinstance(p, float) else 1.0),
+        m if isinstance(m, Tensor) else dummy, min_p_bits,
+        stream if stream is not None else dummy,
+        IS_LOGITS=is_logits, IS_F64=dtype == torch.float64, NORMALIZE=normalize,
+        T_MODE=t_mode, DIVIDE=t_mode in (NUMBER, TENSOR), K_MODE=_mode(k), P_MODE=_mode(p),
+        M_MODE=_mode(m), CUT=cut, GREEDY=t_mode in (TENSOR, ZERO),
+        STREAM_ROWS=stream is not None,
+        TILE=max(tile_for(vocab, INTERPRETED), BLOCK), BLOCK=BLOCK,
+        PRECISE=not INTERPRETED and libdevice is not None,
+    )  # fmt: skip
+    return Processed(weights, sums, total, valid, None, None, None)
