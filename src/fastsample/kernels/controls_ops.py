@@ -1,0 +1,183 @@
+"""``sample`` and ``process`` on the Triton backend: the controls kernels as torch operators.
+
+Entry points (arguments already checked by :func:`fastsample.sample` /
+:func:`fastsample.process`, the same checks as the torch path):
+
+* :func:`sample` ``(logits, probs, controls, num_samples, source, num_top) -> SampleOutput``;
+* :func:`process` ``(logits, probs, controls) -> (B, V)`` the processed distribution;
+* :func:`serves` -- which ``sample`` calls the kernels take (the rest stay on the torch ops).
+
+How a call runs. The controls kernel (:mod:`.controls`, one launch) makes every row's kept
+weights, block sums, total and validity; greedy rows come out as the point mass at their
+first maximal index. ``sample`` then draws with the inverse-CDF draw stage over those block
+sums (:func:`fastsample.kernels.inverse_cdf.draw_from_sums`, one launch), whose uniforms are
+the torch path's bit for bit for seeded calls (same counters); ``process`` divides by the
+total. An all-greedy single draw (a Python ``temperature=0``) is one launch of :mod:`.greedy`.
+
+Launches per ``sample`` call: 2 (controls, draw), plus one ``randint`` (a per-row Philox key
+drawn from the generator) when unseeded; an all-greedy call is 1. Python ``seed``/``step``
+ints become ``(B,)`` tensors in the shared argument checks (one ``full`` each), as on the torch
+path. ``top_logprobs`` adds the torch path's candidate-block ops over the kernel's weights.
+
+Operators. ``fastsample::controls`` and ``fastsample::greedy`` are ``torch.library``
+operators, so ``torch.compile(fullgraph=True)`` traces through them: ``triton_op`` when the
+kernels are compiled, ``custom_op`` with a fake implementation when interpreted. Controls given
+as Python numbers travel as float/int arguments (their off values: temperature 1, top_k 0,
+top_p 1, min_p 0), so no tensor is made for them.
+
+Not served (the torch path runs instead): several draws when some row may be greedy (a
+``(B,)`` temperature or a Python 0), where greedy means the ``n`` largest entries in order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops.noise import UniformSource
+from ..ops.seeds import CounterSource
+from ..ops.validation import Controls
+from . import controls as _controls
+from . import greedy as _greedy
+from .ops import counters, draw_from_sums_op
+from .philox import INTERPRETED
+
+_LIBRARY = "fastsample"
+
+
+def _register(name: str, launcher, fake):
+    """A torch operator for ``launcher``: ``triton_op`` when compiled, else ``custom_op``."""
+    qualified = f"{_LIBRARY}::{name}"
+    if INTERPRETED:
+        op = torch.library.custom_op(qualified, launcher, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(qualified, launcher, mutates_args=())
+
+
+def _number(value: object, off: float) -> float:
+    return off if value is None or isinstance(value, Tensor) else float(value)  # type: ignore[arg-type]
+
+
+def _controls_launcher(
+    source: Tensor,
+    is_logits: bool,
+    temperature: Tensor | None,
+    temperature_value: float,
+    top_k: Tensor | None,
+    top_k_value: int,
+    top_p: Tensor | None,
+    top_p_value: float,
+    min_p: Tensor | None,
+    min_p_value: float,
+    stream: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    controls = Controls(
+        temperature if temperature is not None else _off(temperature_value, 1.0),
+        top_k if top_k is not None else (top_k_value or None),
+        top_p if top_p is not None else _off(top_p_value, 1.0),
+        min_p if min_p is not None else _off(min_p_value, 0.0),
+    )
+    logits, probs = (source, None) if is_logits else (None, source)
+    got = _controls.processed_weights(logits, probs, controls, stream)
+    return got.weights, got.sums, got.total, got.valid
+
+
+def _off(value: float, off: float) -> float | None:
+    return None if value == off else value
+
+
+def _controls_fake(source, is_logits, *controls_and_stream):
+    return _controls.outputs(source)
+
+
+def _greedy_launcher(
+    source: Tensor, is_logits: bool, stream: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _greedy.greedy(source, is_logits, stream)
+
+
+def _greedy_fake(source, is_logits, stream):
+    return _greedy.outputs(source)
+
+
+controls_op = _register("controls", _controls_launcher, _controls_fake)
+greedy_op = _register("greedy", _greedy_launcher, _greedy_fake)
+
+
+def serves(controls: Controls, num_samples: int) -> bool:
+    """Whether the kernels take this ``sample`` call (see the module docstring)."""
+    may_be_greedy = isinstance(controls.temperature, Tensor) or controls.all_greedy
+    return num_samples == 1 or not may_be_greedy
+
+
+def _tensor_stream(source: UniformSource) -> Tensor | None:
+    """The ``(B,)`` stream of a seeded call, when given as a tensor (checked in the kernel)."""
+    if isinstance(source, CounterSource) and isinstance(source.stream, Tensor):
+        return source.stream
+    return None
+
+
+def processed(
+    logits: Tensor | None, probs: Tensor | None, controls: Controls, stream: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(weights, sums, total, valid)`` of :func:`.controls.processed_weights`, as an op."""
+    source = logits if logits is not None else probs
+    assert source is not None
+    t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
+    return controls_op(
+        source,
+        logits is not None,
+        t if isinstance(t, Tensor) else None,
+        _number(t, 1.0),
+        k if isinstance(k, Tensor) else None,
+        int(_number(k, 0)),
+        p if isinstance(p, Tensor) else None,
+        _number(p, 1.0),
+        m if isinstance(m, Tensor) else None,
+        _number(m, 0.0),
+        stream,
+    )
+
+
+def sample(
+    logits: Tensor | None,
+    probs: Tensor | None,
+    controls: Controls,
+    num_samples: int,
+    source: UniformSource,
+    num_top: int,
+):
+    """:func:`fastsample.sample` on the Triton backend (a call that :func:`serves` takes)."""
+    from ..sampling import SampleOutput, _with_top_logprobs  # loaded: it is our caller
+
+    data = logits if logits is not None else probs
+    assert data is not None
+    stream = _tensor_stream(source)
+    if controls.all_greedy and num_top == 0:
+        ids, p_out, logp_out, valid = greedy_op(data, logits is not None, stream)
+        return SampleOutput(ids, p_out, valid, logp_out)
+    weights, sums, total, clean = processed(logits, probs, controls, stream)
+    batch = data.shape[0]
+    if controls.all_greedy:
+        # Point masses draw the same token whatever the uniform: no generator state used.
+        seed = torch.zeros(batch, dtype=torch.int64, device=data.device)
+        step, stream_rows, stream_value = None, None, 0
+    else:
+        seed, step, stream_rows, stream_value = counters(source, batch, data.device)
+    ids, p_out, logp_out, valid = draw_from_sums_op(
+        weights, sums, total, clean, num_samples, seed, step, stream_rows, stream_value
+    )
+    out = SampleOutput(ids, p_out, valid, logp_out)
+    if num_top:
+        out = _with_top_logprobs(
+            out, data, num_top, None, lambda columns: weights.gather(1, columns), total, clean
+        )
+    return out
+
+
+def process(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Tensor:
+    """:func:`fastsample.process` on the Triton backend: kept weights over their total."""
+    weights, _, total, valid = processed(logits, probs, controls, None)
+    out = weights / total.to(weights.dtype)[:, None]
+    return torch.where(valid[:, None], out, 0.0)
