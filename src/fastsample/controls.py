@@ -132,6 +132,12 @@ def process(
     source = check_source(logits, probs)
     batch, vocab = source.shape
     controls = check_controls(temperature, top_k, top_p, min_p, batch, vocab, source.device)
+    from .kernels import backend as kernel_backend  # imports no triton
+
+    if kernel_backend.use_triton(source.device.type):  # FASTSAMPLE_BACKEND
+        from .kernels import controls_ops
+
+        return controls_ops.process(logits, probs, controls)
     got = processed_weights(logits, probs, controls)
     out = got.weights[:, :vocab] / got.total.to(got.weights.dtype)[:, None]
     if got.greedy is not None and got.greedy_ids is not None:

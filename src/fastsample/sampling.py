@@ -386,6 +386,13 @@ def sample(
     logits, probs = (source_tensor, None) if logits is not None else (None, source_tensor)
     ok = stream_ok(source)
 
+    from .kernels import backend as kernel_backend  # imports no triton
+
+    if kernel_backend.use_triton(source_tensor.device.type):  # FASTSAMPLE_BACKEND
+        from .kernels import controls_ops
+
+        if controls_ops.serves(controls, num_samples):
+            return controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
         return _flag_rows(_all_greedy(source_tensor, logits is not None, num_samples), ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
