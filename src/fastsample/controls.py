@@ -40,8 +40,14 @@ from torch import Tensor
 from .ops.cuts import keep_at_least, predecessor, row_cuts
 from .ops.inverse_cdf import block_sums
 from .ops.select import block_maxima, first_argmax
-from .ops.validation import Control, Controls, check_controls, check_source
-from .ops.weights import Processed, controls_in_range, weights_from_logits, weights_from_probs
+from .ops.validation import Control, Controls, check_controls, check_source, detached
+from .ops.weights import (
+    Processed,
+    controls_in_range,
+    probs_total_fits,
+    weights_from_logits,
+    weights_from_probs,
+)
 
 __all__ = [
     "Controls",
@@ -123,7 +129,10 @@ def process(
 
     Returns:
         ``(B, V)`` float32 (float64 for float64 input), rows summing to 1. Invalid rows
-        (NaN/inf input, all ``-inf``, out-of-range tensor controls) are all zeros.
+        (NaN/inf input, all ``-inf``, out-of-range tensor controls, probabilities whose total
+        is ``2**128`` or more unless greedy: the rows :func:`fastsample.sample` flags) are
+        all zeros. Never differentiable (the cuts are thresholds, greedy rows one-hot): an
+        input that requires grad is detached, and the result has ``requires_grad=False``.
 
     Example:
         >>> process(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), top_k=2).round(decimals=3)
@@ -132,6 +141,9 @@ def process(
     source = check_source(logits, probs)
     batch, vocab = source.shape
     controls = check_controls(temperature, top_k, top_p, min_p, batch, vocab, source.device)
+    # Not differentiable (thresholds and a one-hot): values only, and no autograd graph.
+    source = detached(source)
+    logits, probs = (source, None) if logits is not None else (None, source)
     from .kernels import backend as kernel_backend  # imports no triton
 
     if kernel_backend.use_triton(source.device.type):  # FASTSAMPLE_BACKEND
@@ -143,4 +155,8 @@ def process(
     if got.greedy is not None and got.greedy_ids is not None:
         one_hot = torch.zeros_like(out).scatter_(1, got.greedy_ids[:, None], 1.0)
         out = torch.where(got.greedy[:, None], one_hot, out)
-    return torch.where(got.valid[:, None], out, 0.0)
+    valid = got.valid
+    fits = None if probs is None else probs_total_fits(probs, controls, got.total)
+    if fits is not None:  # invalid where sample() is: an overflowing plain total
+        valid = valid & (fits if got.greedy is None else fits | got.greedy)
+    return torch.where(valid[:, None], out, 0.0)

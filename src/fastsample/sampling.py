@@ -37,10 +37,11 @@ class SampleOutput(NamedTuple):
         probs: ``(B, n)``, each drawn token's probability under its row's normalized
             distribution (float32; float64 for float64 input). 0 for invalid rows and
             for padding slots (see ``valid``).
-        valid: ``(B,) bool``. False for rows with NaN, +-inf or negative weights, or a
-            zero (or float32-overflowing) total; also False for rows with fewer positive
-            weights than ``n``: their genuine draws come first and the later slots
-            repeat the last genuine draw with ``probs`` 0 (never a zero-weight token).
+        valid: ``(B,) bool``. False for rows with NaN, +-inf or negative weights, a zero
+            total or one of ``2**128`` or more (float32 sums overflow; float64 input: an
+            infinite one), or an out-of-range tensor ``stream``; also False for rows with
+            fewer positive weights than ``n``: their genuine draws come first and the later
+            slots repeat the last genuine draw with ``probs`` 0 (never a zero-weight token).
         logprobs: ``(B, n)`` float32 (float64 for float64 input), ``log`` of ``probs``
             computed in float64 (``-inf`` where ``probs`` is 0).
         top_token_ids: ``(B, N) int64`` with ``top_logprobs=N`` in :func:`sample`: the N
@@ -188,19 +189,23 @@ def sample_from_probs(
 
     Args:
         probs: ``(B, V)`` float16, bfloat16, float32 or float64 weights; rows need not sum
-            to 1. Not modified.
+            to 1. Not modified. Sampling is not differentiable: a tensor that requires grad is
+            detached (after the argument checks), so no output carries an autograd graph.
         num_samples: ``n``, a Python int with ``1 <= n <= V``.
         generator: a ``torch.Generator`` on ``probs``' device, or None for the default one.
         seed, step, stream: per-request counter-based randomness instead of ``generator``
             (see :mod:`fastsample.seeds`): Python ints or ``(B,)`` int64 tensors on
             ``probs``' device; row ``b``'s draw depends only on its own row of ``probs``
             and ``(seed[b], step[b], stream[b])``, never on the rest of the batch.
-            ``step`` defaults to 0 and ``stream`` to ``Stream.SAMPLE`` (0).
+            ``step`` defaults to 0 and ``stream`` to ``Stream.SAMPLE`` (0). A Python
+            ``stream`` outside ``[0, 2**24)`` raises; a tensor value out of range flags its row
+            invalid (checking it would sync).
         method: ``"inverse_cdf"`` (one read pass, one uniform per row per draw),
             ``"race"`` (exponential race, one uniform per entry) or ``"auto"`` (the faster
             for this device and shape; see :func:`choose_method`). Same law either way.
         check: if True, first read the values on the host and raise ``ValueError`` naming
-            the first row with NaN, inf, negative weights or zero total (this syncs).
+            the first row with NaN, inf, negative weights, a zero or overflowing total, or an
+            out-of-range tensor ``stream`` (this syncs).
 
     Returns:
         :class:`SampleOutput` ``(token_ids (B, n) int64, probs (B, n), valid (B,) bool)``.
@@ -225,7 +230,7 @@ def sample_from_probs(
         ids, token_probs, logprobs, valid = backend.kernel_ops().sample_from_probs(
             probs, num_samples, method, source
         )
-        return SampleOutput(ids, token_probs, valid, logprobs)
+        return _flag_rows(SampleOutput(ids, token_probs, valid, logprobs), stream_ok(source))
     return _draw(probs, num_samples, method, source)
 
 
@@ -248,7 +253,8 @@ def fast_sample(
 
     Args:
         probs: ``(B, V)`` float16, bfloat16, float32 or float64 non-negative weights; rows
-            need not sum to 1.
+            need not sum to 1. Detached if it requires grad: ``sample_p`` carries no graph
+            (``probs.gather(1, sample_index)`` on your side does, if you need one).
         num_samples: ``n``, a Python int with ``1 <= n <= V``.
         generator: a ``torch.Generator`` on ``probs``' device, or None for the default one.
         seed, step, stream: per-request counter-based randomness, as in
@@ -260,7 +266,8 @@ def fast_sample(
         renormalized) and ``sample_index`` (``(B, n) int64``).
 
     Bad rows: this function keeps the helper's two-tensor return and has no validity
-    output. A row with NaN, inf, negative weights or zero total gets
+    output. A row with NaN, inf, negative weights, a zero or overflowing total (as in
+    :class:`SampleOutput`) or an out-of-range tensor ``stream`` gets
     ``sample_index = 0, 1, ..., n-1`` (so ``sample_p`` shows that row's raw, bad entries);
     a row with fewer than ``n`` positive weights repeats its last genuine draw in the later
     slots. Use :func:`sample_from_probs` for a per-row ``valid`` flag, or ``check=True``.
@@ -274,7 +281,12 @@ def fast_sample(
     source = _checked_source(probs, num_samples, generator, seed, step, stream, check)
     probs = v.detached(probs)  # sampling is not differentiable: values only
     if backend.use_triton(probs.device.type):  # FASTSAMPLE_BACKEND; kernels/backend.py
-        return backend.kernel_ops().fast_sample(probs, num_samples, source)
+        sample_p, token_ids = backend.kernel_ops().fast_sample(probs, num_samples, source)
+        ok = stream_ok(source)
+        if ok is None:
+            return sample_p, token_ids
+        token_ids = _flag_rows(SampleOutput(token_ids, sample_p, ok), ok).token_ids
+        return probs.gather(1, token_ids), token_ids
     token_ids = _draw(probs, num_samples, "race", source).token_ids
     return probs.gather(1, token_ids), token_ids
 
@@ -338,8 +350,13 @@ def sample(
 
     Args:
         logits, probs: exactly one, ``(B, V)`` float16/bfloat16/float32/float64. ``-inf``
-            logits (masks) and zero probabilities are never drawn.
-        temperature: ``>= 0``; off (default): 1; 0 = greedy.
+            logits (masks) and zero probabilities are never drawn. Sampling is not
+            differentiable: a tensor that requires grad (logits straight from a model outside
+            ``torch.no_grad()``) is detached after the checks; no output carries a graph.
+        temperature: ``>= 0``; off (default): 1; 0 = greedy. A positive temperature below
+            the smallest normal number of the weights' dtype (float32: ``2**-126``, about
+            1.2e-38) is computed as that number, the ``T -> 0+`` limit: the row's maximal
+            entries, ties drawn uniformly (a Python number or a tensor value alike).
         top_k: ``>= 0``; off: 0 or ``>= V``.
         top_p: in ``(0, 1]``; off: 1.
         min_p: in ``[0, 1]``; off: 0.
@@ -359,9 +376,11 @@ def sample(
         :class:`SampleOutput` with ``token_ids (B, n)``, ``probs (B, n)`` and
         ``logprobs (B, n)`` under the processed distribution, ``valid (B,)`` and, with
         ``top_logprobs=N``, ``top_token_ids``/``top_logprobs (B, N)``. Invalid rows (NaN or
-        +inf logits, all ``-inf``, bad probabilities, out-of-range tensor controls, or fewer
-        kept tokens than ``n``) follow :class:`SampleOutput`'s policy; other rows are
-        unaffected.
+        +inf logits, all ``-inf``, bad probabilities, out-of-range tensor controls or
+        ``stream``, or fewer kept tokens than ``n``) follow :class:`SampleOutput`'s policy;
+        other rows are unaffected. Probabilities are judged as in :func:`sample_from_probs`
+        whatever the controls: a total of ``2**128`` or more (float32 sums overflow) makes a
+        sampled row invalid, even when top-k would keep less; greedy rows need no sum.
 
     Example:
         >>> logits = torch.randn(3, 1000)
@@ -392,7 +411,8 @@ def sample(
         from .kernels import controls_ops
 
         if controls_ops.serves(controls, num_samples):
-            return controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
+            out = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
+            return _flag_rows(out, ok)
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
         return _flag_rows(_all_greedy(source_tensor, logits is not None, num_samples), ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count

@@ -134,6 +134,11 @@ def test_tree_control_mode_b_draft_not_renormalized(models, monkeypatch):
     assert any(laws_rejected(model, trial))
 
 
+def distinct_tokens(batch, n, vocab, gen):
+    """``(batch, n)`` tokens, distinct within each row (so siblings never repeat one)."""
+    return torch.rand(batch, vocab, generator=gen).argsort(-1)[:, :n]
+
+
 def chain_as_tree(target, tokens, draft):
     batch, k = tokens.shape
     parents = list(range(-1, k))
@@ -178,9 +183,9 @@ def test_tree_of_width_one_is_the_chain(models, with_probs):
 def test_tree_output_structure():
     gen = torch.Generator().manual_seed(0)
     parents = TREES["irregular"]
-    batch, n, vocab = 500, len(parents), 12
+    batch, n, vocab = 500, len(parents), 20
     target = torch.softmax(torch.randn(batch, n, vocab, generator=gen), -1)
-    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    tokens = distinct_tokens(batch, n, vocab, gen)  # mode b needs distinct siblings
     for draft in (None, torch.softmax(torch.randn(batch, n, vocab, generator=gen), -1)):
         out = fs.verify_tree(target, fs.TokenTree(tokens, parents), draft, seed=torch.arange(batch))
         assert bool(out.valid.all())
@@ -207,7 +212,7 @@ def test_tree_batch_invariance_with_per_request_trees(mode):
     sizes = torch.randint(1, n + 1, (batch,), generator=gen)
     target = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 2, -1)
     draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 2, -1)
-    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    tokens = distinct_tokens(batch, n, vocab, gen)
     seeds = torch.randint(0, 2**62, (batch,), generator=gen)
 
     def run(rows):
@@ -286,7 +291,7 @@ def test_malformed_tensor_trees_are_flagged_or_raise_with_check():
     batch, n, vocab = 6, 5, 11
     target = torch.softmax(torch.randn(batch, n, vocab, generator=gen), -1)
     draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen), -1)
-    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    tokens = distinct_tokens(batch, n, vocab, gen)
     parents = torch.tensor([-1, 0, 0, 1, 2]).repeat(batch, 1)
     parents[1, 3] = 3  # itself: a cycle
     parents[2, 2] = 4  # a parent listed after its child
@@ -348,7 +353,10 @@ def test_tree_bad_values_flag_only_their_row():
     batch, n, vocab = 40, len(parents), 30
     target = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
     draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
-    tokens = draft.argmax(-1)  # likely tokens, so walks go deep
+    # Likely tokens, so walks go deep: each node's draft mode, made distinct among siblings
+    # (mode b flags repeated siblings).
+    draft = draft.scatter(2, distinct_tokens(batch, n, vocab, gen)[:, :, None], 1.0)
+    tokens = draft.argmax(-1)
     seeds = torch.arange(batch)
     for q in (None, draft):
         clean = fs.verify_tree(target, fs.TokenTree(tokens, parents), q, seed=seeds)
@@ -374,7 +382,8 @@ def test_tree_fullgraph_matches_eager(eager_equivalent_random, mode, shared):
     batch, n, vocab = 5, len(parents), 300
     target = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
     draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 3, -1)
-    tokens = draft.argmax(-1)
+    draft = draft.scatter(2, distinct_tokens(batch, n, vocab, gen)[:, :, None], 1.0)
+    tokens = draft.argmax(-1)  # distinct among siblings: every row valid in mode b
     tree_parents = parents if shared else torch.tensor(parents).repeat(batch, 1)
     sizes = torch.tensor([6, 6, 3, 1, 5])
     q = draft if mode == "b" else None
@@ -399,6 +408,8 @@ def test_tree_cuda_graph_capture(mode):
     batch, n, vocab = 64, len(parents), 32000
     target = torch.softmax(torch.randn(batch, n, vocab, device=cuda, generator=gen) * 3, -1)
     draft = torch.softmax(torch.randn(batch, n, vocab, device=cuda, generator=gen) * 3, -1)
+    distinct = distinct_tokens(batch, n, vocab, torch.Generator().manual_seed(0)).to(cuda)
+    draft = draft.scatter(2, distinct[:, :, None], 1.0)  # distinct siblings: valid in mode b
     tree = fs.TokenTree(draft.argmax(-1), torch.tensor(parents, device=cuda))
     target[3, 0] = NAN
     seeds = torch.arange(batch, device=cuda)

@@ -8,6 +8,7 @@ cuts (:mod:`.shard`, :mod:`.cuts`), the slot masses and the draws; see
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ def sample(
     Args:
         logits, probs: exactly one, this rank's ``(B, V_local)`` shard, float16/bfloat16/
             float32/float64, on the device the group's backend uses (CPU for gloo, the rank's
-            GPU for NCCL).
+            GPU for NCCL). Detached after the checks if it requires grad (not differentiable).
         vocab_start: global id of the shard's first column (Python int).
         vocab_size: the full vocabulary size ``V`` (Python int, same on every rank).
         group: the process group (default: the world group).
@@ -110,6 +111,10 @@ def sample(
         assert call is not None
     else:
         call = check_call(comm, *args, num_samples, seed, step, stream)
+    # Sampling is not differentiable: values only, once, after the checks.
+    x = v.detached(call.source)
+    is_logits = call.logits is not None
+    call = replace(call, source=x, logits=x if is_logits else None, probs=None if is_logits else x)
     return _sample(comm, call)
 
 

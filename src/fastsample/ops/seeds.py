@@ -146,6 +146,14 @@ class CounterSource:
         even, odd = torch.stack((x0, x2), -1), torch.stack((x3, x1), -1)
         return torch.bitwise_left_shift(even, 21).bitwise_or_(odd >> 11)
 
+    def stream_ok(self) -> Tensor | None:
+        """``(B,)`` bool: rows whose tensor ``stream`` is in ``[0, 2**24)``; None for a Python
+        int (checked when given). An out-of-range tensor value is data, like a bad control:
+        its row draws with the value's low 24 bits (in range) and the samplers flag it."""
+        if isinstance(self.stream, int):
+            return None
+        return (self.stream >= 0) & (self.stream < _STREAM_LIMIT)
+
     def row_uniforms(self, num: int) -> Tensor:
         return self.uniforms(Purpose.DRAW, 0, num)
 
@@ -220,6 +228,21 @@ def make_source(
             "counter-based randomness, or generator for a torch.Generator stream"
         )
     return CounterSource(*check_counter_args(seed, step, stream, batch, device, int_stream=True))
+
+
+def stream_ok(source: object) -> Tensor | None:
+    """:meth:`CounterSource.stream_ok` for any uniform source (None: every row is fine)."""
+    return source.stream_ok() if isinstance(source, CounterSource) else None
+
+
+def check_stream_values(source: object) -> None:
+    """``check=True`` (syncs): raise naming the first row whose tensor ``stream`` is out of
+    range; without it such rows are flagged invalid."""
+    ok = stream_ok(source)
+    if ok is not None and not bool(ok.all()):
+        assert isinstance(source, CounterSource) and isinstance(source.stream, Tensor)
+        row = int((~ok).to(torch.uint8).argmax())
+        raise ValueError(f"stream[{row}] = {int(source.stream[row])} must be in [0, 2**24)")
 
 
 def check_counter_args(

@@ -24,6 +24,30 @@ METHODS = ("auto", "race", "inverse_cdf")
 
 Control = float | int | Tensor | None
 
+# float32 sums (the block sums of every input but float64) overflow at 2**128.
+F32_OVERFLOW = 2.0**128
+
+
+def detached(tensor: Tensor) -> Tensor:
+    """``tensor`` without autograd history: sampling is not differentiable, and the samplers'
+    in-place and ``out=`` ops refuse inputs that require grad (logits straight from a model
+    outside ``torch.no_grad()``). Tensors that do not require grad are returned as they are,
+    so the usual call pays nothing."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def total_fits(total: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows whose float64 ``total`` of probabilities of ``dtype`` fits the accumulation dtype
+    (float32 for all but float64): the one overflow rule of every sampler over probabilities."""
+    return total < (math.inf if dtype == torch.float64 else F32_OVERFLOW)
+
+
+def plain_total_fits(probs: Tensor) -> Tensor:
+    """:func:`total_fits` of the plain row totals of ``probs`` (one read pass)."""
+    from .inverse_cdf import row_summaries  # validation is imported by inverse_cdf's users
+
+    return total_fits(row_summaries(probs)[0].sum(-1), probs.dtype)
+
 
 def check_probs_tensor(probs: object, name: str = "probs") -> Tensor:
     """Raise unless ``probs`` is a floating ``(B, V)`` tensor with ``V >= 1``."""
@@ -105,6 +129,9 @@ def check_probs_values(probs: Tensor, name: str = "probs") -> None:
         (has_inf, "contains +-inf"),
         (has_negative, "contains negative weights"),
         (no_mass, "has zero total weight (no token can be drawn)"),
+        # Finite entries whose sum overflows the float32 block sums (any finite sum is fine
+        # for float64): the samplers flag those rows too.
+        (~has_nan & ~has_inf & ~total_fits(total, probs.dtype), "has a total of 2**128 or more"),
     )
     bad = torch.stack([flag for flag, _ in reasons], dim=1).cpu()
     bad_rows = bad.any(1)
@@ -114,7 +141,8 @@ def check_probs_values(probs: Tensor, name: str = "probs") -> None:
         count = int(bad_rows.sum())
         raise ValueError(
             f"{name} row {row} {' and '.join(why)} ({count} bad row(s) in all); weights must "
-            "be finite and non-negative with a positive sum. Without check=True such rows "
+            "be finite and non-negative with a positive sum below 2**128 (float32 sums; any "
+            "finite sum for float64 input). Without check=True such rows "
             "are reported as valid=False instead of raising."
         )
 
@@ -193,6 +221,7 @@ def _check_tensor(value: Tensor, name: str, batch: int, device: torch.device, ki
             f"{name} is on {value.device} but the data is on {device}; move it with "
             f"{name}.to('{device}') once, outside the sampling loop"
         )
+    value = detached(value)  # a learned temperature, say: its values only
     if value.dim() == 0:
         return value.expand(batch)
     if tuple(value.shape) != (batch,):

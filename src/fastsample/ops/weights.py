@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .validation import Control, Controls
+from .validation import Control, Controls, plain_total_fits, total_fits
 
 
 class Processed(NamedTuple):
@@ -46,14 +46,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# The smallest temperature divided by: positive temperatures below the smallest normal number
+# of the weights' dtype would round to 0 (or a subnormal, which flush-to-zero turns into 0)
+# and make every weight NaN. At this temperature the weights already are the T -> 0+ limit
+# (1 at the row maximum, 0 elsewhere) unless two inputs differ by less than ~1e-36.
+_SMALLEST_T = {dtype: torch.finfo(dtype).tiny for dtype in (torch.float32, torch.float64)}
+
+
 def divide_by_temperature_(out: Tensor, temperature: Control) -> Tensor:
     """``out /= T`` in place, per row; greedy rows (``T == 0``) and bad tensor values use
-    ``T = 1`` (they are resolved later), a Python ``None`` or ``0`` leaves ``out`` alone."""
+    ``T = 1`` (they are resolved later), a Python ``None`` or ``0`` leaves ``out`` alone.
+    ``0 < T < tiny`` divides by ``tiny`` (the dtype's smallest normal number, the T -> 0+
+    limit; see ``_SMALLEST_T``)."""
+    smallest = _SMALLEST_T.get(out.dtype) or torch.finfo(out.dtype).tiny
     if isinstance(temperature, Tensor):
         usable = (temperature > 0) & (temperature < math.inf)
-        out.div_(torch.where(usable, temperature, 1.0).to(out.dtype)[:, None])
+        divisor = torch.where(usable, temperature, 1.0).to(out.dtype).clamp_min_(smallest)
+        out.div_(divisor[:, None])
     elif temperature is not None and temperature != 0.0:
-        out.div_(temperature)
+        out.div_(max(temperature, smallest))
     return out
 
 
@@ -112,7 +123,7 @@ def weights_from_probs(
     smallest = probs.amin(-1).to(dtype)
     best = probs.amax(-1).to(dtype)
     finite = (smallest >= 0) & (best > 0) & (best < math.inf)
-    if temperature is None and not need_copy and probs.dtype == dtype and vocab % 2 == 0:
+    if keeps_raw_probs(probs, temperature, need_copy):
         return probs.contiguous(), best, finite
     width = vocab + vocab % 2
     weights = torch.zeros(batch, width, dtype=dtype, device=probs.device)
@@ -120,6 +131,30 @@ def weights_from_probs(
     # so dividing by a cut can never overflow.
     prob_weights_(weights[:, :vocab], probs, torch.where(finite, best, 1.0), temperature)
     return weights, torch.ones_like(best), finite
+
+
+def keeps_raw_probs(probs: Tensor, temperature: Control, need_copy: bool) -> bool:
+    """Whether :func:`weights_from_probs` hands ``probs`` over unscaled (nothing changes them
+    and their dtype and even width suit the block sums)."""
+    return (
+        temperature is None
+        and not need_copy
+        and probs.dtype == compute_dtype(probs.dtype)
+        and probs.shape[1] % 2 == 0
+    )
+
+
+def probs_total_fits(probs: Tensor, controls: Controls, total: Tensor) -> Tensor | None:
+    """Rows of ``probs`` whose plain total fits float32 sums (:func:`~fastsample.ops.validation.
+    total_fits`), so that a row is valid or not whatever the controls: ``total`` (the processed
+    one) when the weights are the raw probabilities, None for float16 (65504 times any
+    vocabulary stays far below 2**128), else one read pass (weights scaled to a maximum of 1
+    never overflow, so their total cannot tell)."""
+    if probs.dtype == torch.float16:
+        return None
+    if keeps_raw_probs(probs, controls.temperature, controls.filters):
+        return total_fits(total, probs.dtype)
+    return plain_total_fits(probs)
 
 
 def controls_in_range(controls: Controls, batch: int, device: torch.device) -> Tensor:

@@ -81,6 +81,8 @@ def verify_chain(
             first ``draft_lengths[b]`` drafts (``0..K``); the other positions are padding
             and are never read except for the target at position ``draft_lengths[b]``
             (which then holds the bonus distribution).
+            Inputs that require grad are detached after the checks (verification is not
+            differentiable); no output carries a graph.
         seed, step: per-request counter-based randomness (Python ints or ``(B,)`` int64
             tensors): streams ``Stream.ACCEPT``, ``Stream.RECOVERY`` and ``Stream.BONUS``.
         generator: a ``torch.Generator`` instead (mutually exclusive with ``seed``).
@@ -133,6 +135,8 @@ def verify_chain(
     source = random_source(generator, seed, step, batch, device)
     if v.check_flag(check, "check"):
         _check_chain_values(p, x, q, lengths)
+    # Verification is not differentiable: values only, once, after the checks.
+    p, q = v.detached(p), None if q is None else v.detached(q)
     u_accept, u_recovery, u_bonus = uniforms(source, batch, k)
     return _verify_chain(p, x, q, lengths, u_accept, u_recovery, u_bonus)
 

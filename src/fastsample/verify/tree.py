@@ -109,6 +109,7 @@ class _Structure(NamedTuple):
     ok: Tensor  # (B,) bool, parents well formed
     steps: int  # static number of walk steps that covers every row
     width: int  # static bound on the children of one node
+    parent: Tensor  # parent of each node; N for the root and malformed entries
 
 
 def _host_structure(parents: Sequence[int], device: torch.device) -> _Structure:
@@ -145,31 +146,38 @@ def _host_structure(parents: Sequence[int], device: torch.device) -> _Structure:
         children[parent] += 1
         cost[node] = cost[parent] + children[parent]
     steps = max(cost[node] + children[node] for node in range(n))
-    tables = _host_tables(tuple(first_child), tuple(next_sibling), device)
-    return _Structure(*tables, steps, max(children))
+    parent = (n, *parents[1:])
+    first, following, ok, parent_row = _host_tables(
+        tuple(first_child), tuple(next_sibling), parent, device
+    )
+    return _Structure(first, following, ok, steps, max(children), parent_row)
 
 
 # Device copies of host trees' walk tables, by (tables, device): made on the first call (for a
 # CUDA graph, the warm-up call before capture), so later calls do no host-to-device copy.
-_HOST_TABLES: OrderedDict[tuple, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
+_HOST_TABLES: OrderedDict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = OrderedDict()
 _HOST_TABLES_MAX = 256
 
 
 def _host_tables(
-    first_child: tuple[int, ...], next_sibling: tuple[int, ...], device: torch.device
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(first_child (1, N), next_sibling (1, N), ok (1,))`` on ``device``, cached."""
+    first_child: tuple[int, ...],
+    next_sibling: tuple[int, ...],
+    parent: tuple[int, ...],
+    device: torch.device,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(first_child (1, N), next_sibling (1, N), ok (1,), parent (1, N))`` on ``device``,
+    cached."""
 
-    def build() -> tuple[Tensor, Tensor, Tensor]:
+    def build() -> tuple[Tensor, Tensor, Tensor, Tensor]:
         def row(values: tuple[int, ...]) -> Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)[None]
 
         ok = torch.ones(1, dtype=torch.bool, device=device)
-        return row(first_child), row(next_sibling), ok
+        return row(first_child), row(next_sibling), ok, row(parent)
 
     if torch.compiler.is_compiling():  # constants of the compiled graph
         return build()
-    key = (first_child, next_sibling, device)
+    key = (first_child, next_sibling, parent, device)
     tables = _HOST_TABLES.get(key)
     if tables is None:
         tables = _HOST_TABLES[key] = build()
@@ -187,7 +195,7 @@ def _device_structure(parents: Tensor, batch: int) -> _Structure:
     parents = parents.expand(batch, n)
     nodes = torch.arange(n, device=device)
     well_formed = (parents >= 0) & (parents < nodes)
-    ok = well_formed[:, 1:].all(-1)
+    ok = well_formed[:, 1:].all(-1) & (parents[:, 0] == -1)
     # Root and bad entries point to a sentinel parent n: they are nobody's child.
     parent = torch.where(well_formed & (nodes > 0), parents, n)
     first_child = torch.full((batch, n + 1), n, dtype=torch.int64, device=device)
@@ -200,7 +208,7 @@ def _device_structure(parents: Tensor, batch: int) -> _Structure:
     next_sibling = torch.full((batch, n), n, dtype=torch.int64, device=device)
     next_sibling.scatter_(1, order[:, :-1], following)
     bound = max(n - 1, 0)  # each node is tested at most once
-    return _Structure(first_child[:, :n], next_sibling, ok, bound, bound)
+    return _Structure(first_child[:, :n], next_sibling, ok, bound, bound, parent)
 
 
 def verify_tree(
@@ -236,7 +244,9 @@ def verify_tree(
             after each node's path (tree attention), rows summing to 1; node 0 is the root.
         tree: a :class:`TokenTree` ``(token_ids (B, N), parents, num_nodes=None)``.
         draft_probs: ``(B, N, V)`` float or None. Row ``n`` is the distribution node ``n``'s
-            children were drawn from, without replacement (rows of leaves are not read).
+            children were drawn from, without replacement (rows of leaves are not read), so
+            siblings are distinct: a row repeating a sibling's token is invalid (mode b only).
+            Inputs that require grad are detached after the checks (not differentiable).
         seed, step, generator, check: as in :func:`verify_chain` (streams
             ``Stream.ACCEPT`` with one counter per node, ``RECOVERY`` when a child of the
             last node was rejected, ``BONUS`` otherwise). ``check=True`` also checks the
@@ -247,7 +257,8 @@ def verify_tree(
         num_accepted (B,), num_emitted (B,), valid (B,))``.
 
     Bad values (without ``check``): a row gets ``valid=False`` and emits nothing if its
-    parents are malformed (tensor parents), a used token id is outside ``[0, V)``, its
+    parents are malformed (tensor parents, the root's entry included: it must be -1), two
+    present siblings share a token (mode b), a used token id is outside ``[0, V)``, its
     ``num_nodes`` is outside ``[1, N]``, a probability read by the walk is NaN, infinite or
     negative, or a row it draws from (or, in mode b, loads) has NaN/inf/negative entries or
     no mass. Other rows are bitwise unaffected.
@@ -306,6 +317,8 @@ def verify_tree(
     source = random_source(generator, seed, step, batch, device)
     if v.check_flag(check, "check"):
         _check_tree_values(p, q, tokens, parents, sizes)
+    # Verification is not differentiable: values only, once, after the checks.
+    p, q = v.detached(p), None if q is None else v.detached(q)
     if structure is None:
         structure = _device_structure(parents.long(), batch)  # type: ignore[union-attr]
     u_accept, u_recovery, u_bonus = uniforms(source, batch, n - 1)
@@ -331,6 +344,9 @@ def _check_tree_values(
         present = nodes < sizes[:, None]
     else:
         present = torch.ones(batch, n, dtype=torch.bool, device=device)
+    raise_bad_values(
+        (parent[:, :1] != -1)[:, :, None], "tree.parents entry", ["is not -1 (node 0 is the root)"]
+    )
     bad_parent = ~((parent >= 0) & (parent < nodes)) & present & (nodes > 0)
     raise_bad_values(
         bad_parent[:, :, None],
@@ -384,6 +400,10 @@ def _verify_tree(
     present = (nodes < size[:, None]) & (nodes > 0)
     valid = valid & (((tokens >= 0) & (tokens < vocab)) | ~present).all(-1)
     tokens = tokens.clamp(0, vocab - 1)
+    if q is not None:  # mode b is exact only for distinct siblings (drawn without replacement)
+        valid = valid & ~_repeated_siblings(
+            structure.parent.expand(batch, n), tokens, present, vocab
+        )
     first_child = structure.first_child.expand(batch, n)
     next_sibling = structure.next_sibling.expand(batch, n)
     p_table = p.reshape(batch * n, vocab).contiguous()
@@ -492,6 +512,18 @@ def _verify_tree(
         torch.where(valid, num_accepted + 1, 0),
         valid,
     )
+
+
+def _repeated_siblings(parent: Tensor, tokens: Tensor, present: Tensor, vocab: int) -> Tensor:
+    """``(B,)`` rows where two present children of one node carry the same token: one sort
+    of ``(parent, token)`` keys per row instead of an ``(N, N)`` comparison (no sync)."""
+    n = parent.shape[1]
+    nodes = torch.arange(n, device=parent.device)
+    # Tokens are clamped into [0, V) and parents into [0, N], so keys of present nodes are
+    # >= 0 and equal only for the same (parent, token); absent nodes get distinct negatives.
+    key = torch.where(present, parent * vocab + tokens, -1 - nodes)
+    ordered = key.sort(dim=1).values
+    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(-1)
 
 
 def _finite_non_negative(values: Tensor) -> Tensor:
