@@ -43,6 +43,7 @@ MODES: tuple[Mode, ...] = (
     Mode("distributed", "distributed"),
     Mode("controls", "controls"),
     Mode("generate", "generate"),
+    Mode("launches", "launches"),
 )
 """Checked in order; the first chosen one runs."""
 
@@ -142,6 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="benchmark text generation with transformers: fastsample.hf's loop and speculative "
         "decoding against generate and assisted generation (fastsample.tools.bench.generate; "
         "needs fastsample[hf])",
+    )
+    parser.add_argument(
+        "--launches",
+        action="store_true",
+        help="count the device work per call (aten ops + Triton kernel launches) of each public "
+        "call and backend, beside the seed's race and torch.multinomial "
+        "(fastsample.tools.bench.launches; first --batch and --vocab, default 4 x 1000)",
     )
 
 
