@@ -76,18 +76,27 @@ BAD_ROWS = {
 }
 
 
+# Where the bad rows go in a batch of 10: good rows before, between and after them.
+BAD_AT = [1, 3, 4, 6, 7, 9]
+
+
+def spoil_rows(clean):
+    """``clean`` with the rows of ``BAD_AT`` spoiled (one of each kind); the bad-row mask."""
+    dirty = clean.clone()
+    for row, spoil in zip(BAD_AT, BAD_ROWS.values(), strict=True):
+        dirty[row] = spoil(clean[row])
+    bad = torch.zeros(clean.shape[0], dtype=torch.bool)
+    bad[BAD_AT] = True
+    assert (~bad).sum() >= 4  # real good rows to compare
+    return dirty, bad
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("num_samples", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_bad_rows_are_flagged_and_do_not_touch_good_rows(method, num_samples, dtype):
-    clean = clean_batch().to(dtype)
-    dirty = clean.clone()
-    bad_index = {}
-    for i, (name, spoil) in enumerate(BAD_ROWS.items()):
-        dirty[i % clean.shape[0]] = spoil(clean[i % clean.shape[0]])
-        bad_index[i % clean.shape[0]] = name
-    bad = torch.zeros(clean.shape[0], dtype=torch.bool)
-    bad[list(bad_index)] = True
+    clean = clean_batch(batch=10).to(dtype)
+    dirty, bad = spoil_rows(clean)
 
     def run(probs):
         gen = torch.Generator().manual_seed(42)  # the same random stream for both batches
@@ -95,25 +104,34 @@ def test_bad_rows_are_flagged_and_do_not_touch_good_rows(method, num_samples, dt
 
     ref, out = run(clean), run(dirty)
     assert out.valid.tolist() == (~bad).tolist()
-    # Good rows: bitwise the result they get in a clean batch.
+    assert ref.valid.all()
+    # Good rows: bitwise the result they get in a clean batch (the same uniforms, since the
+    # generator gives both batches the same stream).
     assert torch.equal(out.token_ids[~bad], ref.token_ids[~bad])
     assert torch.equal(out.probs[~bad], ref.probs[~bad])
+    assert torch.equal(out.logprobs[~bad], ref.logprobs[~bad])
     # Bad rows: the documented result, ids 0..n-1 with probability 0.
     assert torch.equal(out.token_ids[bad], torch.arange(num_samples).expand(int(bad.sum()), -1))
     assert not out.probs[bad].any()
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_fast_sample_bad_rows(method):
-    del method  # fast_sample is always the race; parametrized to mirror the other tests
-    probs = clean_batch()
-    probs[2, 10] = NAN
-    probs[4] = 0
-    gen = torch.Generator().manual_seed(3)
-    sample_p, sample_index = fs.fast_sample(probs, 2, generator=gen)
-    assert sample_index[2].tolist() == [0, 1] and sample_index[4].tolist() == [0, 1]
-    assert torch.equal(sample_p, probs.gather(1, sample_index))
-    assert ((sample_index >= 0) & (sample_index < probs.shape[1])).all()
+@pytest.mark.parametrize("randomness", ["generator", "seeded"])
+def test_fast_sample_bad_rows(randomness):
+    """fast_sample is always the race; its noise comes from a generator or from seeds."""
+    clean = clean_batch(batch=10)
+    dirty, bad = spoil_rows(clean)
+
+    def run(probs):
+        if randomness == "seeded":
+            return fs.fast_sample(probs, 2, seed=torch.arange(10) + 5, step=1)
+        return fs.fast_sample(probs, 2, generator=torch.Generator().manual_seed(3))
+
+    (ref_p, ref_index), (sample_p, sample_index) = run(clean), run(dirty)
+    assert (sample_index[bad] == torch.tensor([0, 1])).all()  # the documented bad-row ids
+    assert torch.equal(sample_index[~bad], ref_index[~bad])  # good rows untouched, bitwise
+    assert torch.equal(sample_p[~bad], ref_p[~bad])
+    assert torch.equal(sample_p.nan_to_num(7.0), dirty.gather(1, sample_index).nan_to_num(7.0))
+    assert ((sample_index >= 0) & (sample_index < dirty.shape[1])).all()
 
 
 @pytest.mark.parametrize("method", METHODS)
