@@ -72,13 +72,13 @@ def block_sums_stage(
     for start in range(0, vocab, TILE):
         columns = start + offsets
         x = tl.load(row_base + columns * col_stride, mask=columns < vocab, other=0.0)
-        if SUM_F64:
-            block_sum = tl.sum(x.to(tl.float64), 1)
-        else:
-            block_sum = tl.sum(x.to(tl.float32), 1).to(tl.float64)
+        # Sums and checks in the accumulation dtype (half types compare unreliably as such
+        # in the interpreter, and torch widens them first too).
+        wide = x.to(tl.float64) if SUM_F64 else x.to(tl.float32)
+        block_sum = tl.sum(wide, 1).to(tl.float64)
         tl.store(sums_ptr + rows.to(tl.int64) * sums_stride + start // TILE, block_sum, mask=live)
         total += block_sum
-        bad += tl.sum(((x < 0) | (x != x)).to(tl.int32), 1)
+        bad += tl.sum(((wide < 0) | (wide != wide)).to(tl.int32), 1)
     return total, (bad == 0) & total_fits(total, SUM_F64)
 
 
@@ -287,7 +287,7 @@ def _static_sizes(batch: int, vocab: int, num_samples: int) -> dict:
     sums_tile = min(max(16, triton.next_power_of_2(triton.cdiv(vocab, tile))), MAX_SUMS_TILE)
     return dict(
         NUM_SAMPLES=num_samples, N_PAD=triton.next_power_of_2(num_samples),
-        ROWS=launch.rows_per_program(batch, INTERPRETED), TILE=tile, SUMS_TILE=sums_tile,
+        ROWS=launch.rows_per_program(batch, INTERPRETED, vocab), TILE=tile, SUMS_TILE=sums_tile,
     )  # fmt: skip
 
 

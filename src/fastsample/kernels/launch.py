@@ -3,7 +3,7 @@
 Rows per program. On a GPU each program handles one row (``ROWS = 1``): rows never share a
 reduction, so batch invariance holds by construction. Triton's interpreter runs programs one
 after another in Python at ~0.1 ms per tensor op whatever the tile size, so there a program
-takes a tile of up to :data:`INTERPRETER_ROWS` rows; every reduction in the kernels is along
+takes a tile of rows (:func:`rows_per_program`); every reduction in the kernels is along
 the row's own axis, so a row's result still never depends on its neighbours (the batch
 invariance tests check it bitwise on the interpreter).
 
@@ -24,7 +24,7 @@ from triton.runtime.jit import JITFunction
 
 from ..ops.inverse_cdf import BLOCK as SUM_BLOCK  # the torch path's block, shared (256)
 
-INTERPRETER_ROWS = 64
+INTERPRETER_ELEMENTS = 1 << 16  # per (ROWS, TILE) tile: numpy-sized work per interpreted op
 
 _total = 0
 
@@ -40,11 +40,13 @@ def launches() -> int:
     return _total
 
 
-def rows_per_program(batch: int, interpreted: bool) -> int:
-    """``ROWS``: 1 on a GPU; a power-of-two tile of up to 64 rows in the interpreter."""
+def rows_per_program(batch: int, interpreted: bool, vocab: int = 1 << 16) -> int:
+    """``ROWS``: 1 on a GPU; in the interpreter a power-of-two tile of rows holding up to
+    :data:`INTERPRETER_ELEMENTS` entries of a ``(ROWS, tile_width(vocab))`` tile."""
     if not interpreted:
         return 1
-    return min(triton.next_power_of_2(max(batch, 1)), INTERPRETER_ROWS)
+    most = max(1, INTERPRETER_ELEMENTS // tile_width(vocab))
+    return min(triton.next_power_of_2(max(batch, 1)), most)
 
 
 def tile_width(vocab: int) -> int:

@@ -106,12 +106,12 @@ def _race_kernel(
         columns = start + offsets.to(tl.int64)
         inside = columns < vocab
         x = tl.load(row_base + columns * col_stride, mask=inside, other=0.0)
-        if SUM_F64:
-            block_sum = tl.sum(x.to(tl.float64), 1)
-        else:
-            block_sum = tl.sum(x.to(tl.float32), 1).to(tl.float64)
+        # Sums and checks in the accumulation dtype (half types compare unreliably as such
+        # in the interpreter, and torch widens them first too).
+        wide = x.to(tl.float64) if SUM_F64 else x.to(tl.float32)
+        block_sum = tl.sum(wide, 1).to(tl.float64)
         total += block_sum
-        bad += tl.sum(((x < 0) | (x != x)).to(tl.int32), 1)
+        bad += tl.sum(((wide < 0) | (wide != wide)).to(tl.int32), 1)
         u = entry_uniforms(start // 2, ROWS, TILE // 2, c1, c2, c3, k0, k1)
         scores = x.to(tl.float64) / exponential_noise(u, LOG1P)
         scores = tl.where(inside, scores, -1.0)
@@ -174,7 +174,7 @@ def race(
         logp_out = torch.empty_like(p_out)
         valid = torch.empty((batch,), dtype=torch.bool, device=device)
     if batch:
-        rows = launch.rows_per_program(batch, INTERPRETED)
+        rows = launch.rows_per_program(batch, INTERPRETED, vocab)
         stream_rows = isinstance(stream, Tensor)
         launch.count_launch()
         launch.launcher(_race_kernel, INTERPRETED)[launch.grid(batch, rows)](
