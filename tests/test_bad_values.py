@@ -101,11 +101,13 @@ def test_stream_out_of_range_raises_as_int_or_with_check():
 
 
 def overflow_batch(vocab, dtype):
-    """Row 0: finite weights with a total of ~6e38 (>= 2**128); row 1: ~2e38 (fine);
-    row 2: an ordinary distribution."""
+    """Row 0: finite weights with a total of ~4e38 (>= 2**128); row 1: ~2e38 (fine);
+    row 2: an ordinary distribution. The large weights sit at both ends of the row: in one
+    block of the block sums for a short row (that block's float32 sum overflows), in two
+    blocks for a long one (no block overflows, the float64 total is still >= 2**128)."""
     probs = torch.zeros(3, vocab, dtype=torch.float64)
-    probs[0, :2] = 3e38
-    probs[1, :2] = 1e38
+    probs[0, [0, -1]] = 2e38
+    probs[1, [0, -1]] = 1e38
     probs[2] = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(2)), -1)
     return probs.to(dtype)
 
@@ -120,7 +122,8 @@ CONTROLS = [
 ]
 
 
-@pytest.mark.parametrize("vocab", [8, 9])  # even width: raw probabilities; odd: a scaled copy
+# Even widths: the raw probabilities are summed; odd: a scaled copy (and the plain total).
+@pytest.mark.parametrize("vocab", [8, 9, 600])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_overflowing_total_is_invalid_whatever_the_controls(dtype, vocab):
     probs = overflow_batch(vocab, dtype)
