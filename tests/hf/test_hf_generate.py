@@ -7,15 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("transformers")
+
 from hf_models import first_two_law, left_pad, next_token_law, stub_model, tiny_llama
+from transformers.generation.logits_process import LogitsProcessor
+from transformers.generation.stopping_criteria import StoppingCriteria
+from transformers.generation.streamers import BaseStreamer
 
 import fastsample.hf as fh
 from stattests import assert_law, law_rejected
-
-transformers = pytest.importorskip("transformers")
-from transformers.generation.logits_process import LogitsProcessor  # noqa: E402
-from transformers.generation.stopping_criteria import StoppingCriteria  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 PROMPT = [5, 17, 3, 42, 9]
 DRAWS = 20_000

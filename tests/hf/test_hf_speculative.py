@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("transformers")
+
 from hf_models import first_two_law, left_pad, tiny_llama, truncated_draft
 
 import fastsample.hf as fh
 from stattests import assert_law, law_rejected
-
-pytest.importorskip("transformers")
 
 CONTROLS = dict(temperature=0.8, top_k=10, top_p=0.95)
 PROMPTS = [[5, 17, 3, 42, 9], [8, 9], [30, 2, 2, 14], [61], [7, 6, 5, 4, 3, 2, 1],
