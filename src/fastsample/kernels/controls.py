@@ -53,28 +53,38 @@ except ImportError:  # pragma: no cover - old triton
 
 OFF, NUMBER, TENSOR, ZERO = 0, 1, 2, 3  # how a control is given (ZERO: Python temperature 0)
 NO_CUT, SCALED_CUT, PLAIN_MIN_P = 0, 1, 2
+# The same numbers as the kernels see them (a @triton.jit function reads only constexprs).
+_OFF, _TENSOR, _ZERO = tl.constexpr(OFF), tl.constexpr(TENSOR), tl.constexpr(ZERO)
+_SCALED_CUT, _PLAIN_MIN_P = tl.constexpr(SCALED_CUT), tl.constexpr(PLAIN_MIN_P)
 
 
 @triton.jit
 def _exp(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.exp(x)
-    return tl.exp(x)
+    # if/else, not an early return: code after a constexpr-if return is still compiled.
+    if PRECISE:  # noqa: SIM108 (a ternary would compile both calls)
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
 
 
 @triton.jit
 def _log(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.log(x)
-    return tl.log(x)
+    if PRECISE:  # noqa: SIM108 (a ternary would compile both calls)
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
+    return y
 
 
 @triton.jit
 def _div(a, b, IS_F64: tl.constexpr):
     """Correctly rounded division (Triton's float32 ``/`` is approximate on a GPU)."""
-    if IS_F64:
-        return a / b
-    return tl.math.div_rn(a, b)
+    if IS_F64:  # noqa: SIM108 (a ternary would compile both calls)
+        q = a / b
+    else:
+        q = tl.math.div_rn(a, b)
+    return q
 
 
 @triton.jit
@@ -127,8 +137,10 @@ def stream_in_range(stream_ptr, row, STREAM_ROWS: tl.constexpr):
     """Whether this row's tensor ``stream`` is in ``[0, 2**24)`` (always, for a number)."""
     if STREAM_ROWS:
         stream = tl.load(stream_ptr + row)
-        return (stream >= 0) & (stream < 16777216)
-    return tl.full((), 1, tl.int1)
+        fine = (stream >= 0) & (stream < 16777216)
+    else:
+        fine = tl.full((), 1, tl.int1)
+    return fine
 
 
 @triton.jit(do_not_specialize=["t_bits", "k_value", "p_bits", "m_bits"])
@@ -164,7 +176,7 @@ def _controls_kernel(
 
     # The controls of this row (Python numbers arrive as float64 bits). Temperatures below
     # the dtype's smallest normal number divide by it (the torch path's T -> 0+ limit).
-    if T_MODE == TENSOR:
+    if T_MODE == _TENSOR:
         t = tl.load(t_ptr + row)
         ok = ok & (t >= 0) & (t < float("inf"))
         usable = (t > 0) & (t < float("inf"))
@@ -172,19 +184,19 @@ def _controls_kernel(
         greedy = t == 0
     else:
         divisor = tl.maximum(_as_float64(t_bits), TINY).to(FLOAT)
-        greedy = tl.full((), T_MODE == ZERO, tl.int1)
-    if K_MODE == TENSOR:
+        greedy = tl.full((), T_MODE == _ZERO, tl.int1)
+    if K_MODE == _TENSOR:
         k_raw = tl.load(k_ptr + row)
         ok = ok & (k_raw >= 0)
         k = k_raw.to(tl.float64)
     else:
         k = k_value.to(tl.float64)
-    if P_MODE == TENSOR:
+    if P_MODE == _TENSOR:
         p = tl.load(p_ptr + row).to(tl.float64)
         ok = ok & (p > 0) & (p <= 1)
     else:
         p = _as_float64(p_bits)
-    if M_MODE == TENSOR:
+    if M_MODE == _TENSOR:
         min_p = tl.load(m_ptr + row).to(tl.float64)
         ok = ok & (min_p >= 0) & (min_p <= 1)
     else:
@@ -210,33 +222,33 @@ def _controls_kernel(
                 w = _exp(_div(_log(w, PRECISE), divisor, IS_F64), PRECISE)
         if GREEDY:
             w = tl.where(greedy, tl.where(offs == best_id, 1.0, 0.0).to(FLOAT), w)
-        if CUT == PLAIN_MIN_P:  # threshold_(w, pred(min_p), 0): NaN stays NaN
+        if CUT == _PLAIN_MIN_P:  # threshold_(w, pred(min_p), 0): NaN stays NaN
             w = tl.where(w <= _as_float64(m_bits).to(FLOAT), 0.0, w)
         w = tl.where(inside, w, 0.0)
         tl.store(out + offs, w, mask=inside)
-        if CUT != SCALED_CUT:
+        if CUT != _SCALED_CUT:
             total += _store_block_sums(w, sums_row, start, num_blocks, BLOCK)
 
-    if CUT == SCALED_CUT:
+    if CUT == _SCALED_CUT:
         # The threshold passes read the weights this program wrote, in another layout.
         tl.debug_barrier()
         cut = tl.full((), 0, FLOAT)
-        if K_MODE != OFF:
+        if K_MODE != _OFF:
             cut_k = tl.full((), 0, FLOAT)
             if (k > 0) & (k < n):  # an off row skips the rounds
                 cut_k = radix_threshold(out, n, k, False, False, IS_F64, TILE)
             cut = cut_k
-        if P_MODE != OFF:
+        if P_MODE != _OFF:
             cut_p = tl.full((), 0, FLOAT)
             if p < 1:
-                if K_MODE != OFF:
+                if K_MODE != _OFF:
                     # The top-k survivors' mass: what keep_at_least(w, cut_k) keeps.
                     mass = _kept_mass(out, n, tl.maximum(cut, FLOOR), TILE)
                     cut_p = radix_threshold(out, n, p * mass, True, False, IS_F64, TILE)
                 else:
                     cut_p = radix_threshold(out, n, p, True, True, IS_F64, TILE)
             cut = tl.maximum(cut, cut_p)
-        if M_MODE != OFF:
+        if M_MODE != _OFF:
             cut = tl.maximum(cut, min_p.to(FLOAT))
         scale = tl.where(greedy, 1.0, tl.maximum(cut, FLOOR))
         # Pass 3: the kept weights fl(w / s), zeroed where below 1, and their block sums.

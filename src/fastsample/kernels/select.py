@@ -35,6 +35,32 @@ from torch import Tensor
 RADIX_BITS = 4
 
 
+# Reductions go through tl.reduce with the standard library's combine functions, not through
+# tl.sum/tl.max: those are @triton.jit functions decorated when triton is imported, so if
+# anything imported triton before TRITON_INTERPRET was set (pytest, torch's inductor) they are
+# compiled-mode functions the interpreter refuses to call. The interpreter recognises these
+# combine functions and reduces with numpy; on a GPU this is exactly what tl.sum/tl.max emit.
+_add = tl.standard._sum_combine
+_larger = tl.standard._elementwise_max
+_smaller = tl.standard._elementwise_min
+
+
+@triton.jit
+def total(x, axis):
+    """Sum along ``axis`` in ``x``'s dtype."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def largest(x, axis):
+    return tl.reduce(x, axis, _larger)
+
+
+@triton.jit
+def smallest(x, axis):
+    return tl.reduce(x, axis, _smaller)
+
+
 @triton.jit
 def radix_threshold(
     row_ptr,
@@ -64,33 +90,33 @@ def radix_threshold(
     digits = tl.arange(0, BUCKETS)
     # at_or_after[i, j]: bucket j is at or after bucket i (for suffix sums in registers).
     at_or_after = digits[None, :] >= digits[:, None]
-    prefix = tl.zeros((), dtype=KEY)
-    above = tl.zeros((), dtype=tl.float64)
+    prefix = tl.full((), 0, KEY)
+    above = tl.full((), 0, tl.float64)
     goal = target.to(tl.float64)
     for r in tl.static_range(ROUNDS):
-        SHIFT: tl.constexpr = KEY_BITS - (r + 1) * RADIX_BITS
-        hist = tl.zeros((BUCKETS,), dtype=tl.float64)
+        shift = KEY_BITS - (r + 1) * RADIX_BITS  # a constexpr: r is one
+        hist = tl.full((BUCKETS,), 0.0, tl.float64)
         for start in range(0, n, TILE):
             offs = start + tl.arange(0, TILE)
             inside = offs < n
             w = tl.load(row_ptr + offs, mask=inside, other=0.0)
             key = w.to(KEY, bitcast=True) & MAGNITUDE
-            digit = ((key >> SHIFT) & (BUCKETS - 1)).to(tl.int32)
+            digit = ((key >> shift) & (BUCKETS - 1)).to(tl.int32)
             take = inside
             if r > 0:  # round 1 holds every entry; later ones only the chosen prefix's
-                take = take & ((key >> (SHIFT + RADIX_BITS)) == prefix)
+                take = take & ((key >> (shift + RADIX_BITS)) == prefix)
             hit = (digit[:, None] == digits[None, :]) & take[:, None]
             if BY_MASS:
-                hist += tl.sum(tl.where(hit, w.to(tl.float64)[:, None], 0.0), 0)
+                hist += total(tl.where(hit, w.to(tl.float64)[:, None], 0.0), 0)
             else:
-                hist += tl.sum(hit.to(tl.int32), 0).to(tl.float64)
+                hist += total(hit.to(tl.int32), 0).to(tl.float64)
         if SHARE and r == 0:  # round 1 holds every weight: the row's mass
-            goal = goal * tl.sum(hist, 0)
-        suffix = tl.sum(tl.where(at_or_after, hist[None, :], 0.0), 1)
+            goal = goal * total(hist, 0)
+        suffix = total(tl.where(at_or_after, hist[None, :], 0.0), 1)
         # Suffix sums fall as the bucket rises, so the buckets meeting the goal are a prefix.
         meets = (above + suffix) >= goal
-        last = tl.maximum(tl.sum(meets.to(tl.int32), 0) - 1, 0)
-        above += tl.sum(tl.where(digits == last, suffix - hist, 0.0), 0)
+        last = tl.maximum(total(meets.to(tl.int32), 0) - 1, 0)
+        above += total(tl.where(digits == last, suffix - hist, 0.0), 0)
         prefix = (prefix << RADIX_BITS) | last.to(KEY)
     return prefix.to(FLOAT, bitcast=True)
 

@@ -1,0 +1,333 @@
+"""``sample``/``process`` on the Triton backend (the fused controls kernels) against the torch path.
+
+Run on CPU tensors through Triton's interpreter (``tests/kernels/conftest.py``) at small sizes:
+the processed distribution against the torch path and a float64 sorting reference, tokens
+against the torch path with the same seeds, the law of the draws, batch invariance, bad rows,
+edge shapes, greedy, launch counts and tracing under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fastsample as fs
+import stattests
+from fastsample.kernels import controls as kc
+from fastsample.kernels import controls_ops, launch
+from fastsample.kernels.ops import draw_from_sums_op
+from fastsample.ops.validation import check_controls
+from reference import reference_probs
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    def use(name: str) -> None:
+        monkeypatch.setenv("FASTSAMPLE_BACKEND", name)
+
+    return use
+
+
+def both(backend, fn, *args, **kwargs):
+    """``fn`` on the torch path, then on the Triton path."""
+    backend("torch")
+    ours = fn(*args, **kwargs)
+    backend("triton")
+    return ours, fn(*args, **kwargs)
+
+
+def tensor_controls(batch: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Per-row controls, each stage off on some rows, greedy on one."""
+    gen = torch.Generator().manual_seed(seed)
+    temperature = torch.rand(batch, generator=gen) * 1.5 + 0.2
+    top_k = torch.randint(0, vocab // 3, (batch,), generator=gen)
+    top_p = torch.rand(batch, generator=gen) * 0.6 + 0.4
+    min_p = torch.rand(batch, generator=gen) * 0.1
+    temperature[0], top_k[1], top_p[2], min_p[3] = 0.0, 0, 1.0, 0.0
+    top_k[4] = vocab  # off: k >= V
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+
+
+def logits_rows(batch: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, vocab, generator=gen) * 2
+    x[1] = torch.randint(0, 5, (vocab,), generator=gen).float()  # heavy ties
+    x[2, ::3] = -math.inf  # a grammar mask
+    return x
+
+
+CASES = {
+    "logits-tensors": ("logits", torch.float32, None),
+    "logits-numbers": ("logits", torch.float32, dict(temperature=0.8, top_k=20, top_p=0.9)),
+    "logits-min-p-only": ("logits", torch.float32, dict(min_p=0.05)),
+    "probs-tensors": ("probs", torch.float32, None),
+    "logits-float64": ("logits", torch.float64, None),
+    "bf16-min-p": ("logits", torch.bfloat16, dict(temperature=0.7, min_p=0.02)),
+    "probs-float16-top-p": ("probs", torch.float16, dict(top_p=0.8)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_processed_distribution_matches_torch_path(case, backend):
+    kind, dtype, numbers = CASES[case]
+    batch, vocab = 8, 300  # 300: not a multiple of the 256-entry block
+    x = logits_rows(batch, vocab, seed=len(case))
+    controls = numbers if numbers is not None else tensor_controls(batch, vocab, seed=1)
+    data = {kind: (x if kind == "logits" else torch.softmax(x, -1)).to(dtype)}
+    theirs, ours = both(backend, fs.process, **data, **controls)
+    assert ours.dtype == theirs.dtype and ours.shape == (batch, vocab)
+    # The same kept sets, and the same probabilities up to an ulp of exp in the weights.
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-9)
+
+
+def test_processed_distribution_matches_float64_sorting_reference(backend):
+    backend("triton")
+    gen = torch.Generator().manual_seed(5)
+    x = logits_rows(4, 200, seed=5).double()
+    rng = np.random.default_rng(5)
+    for r, (t, k) in enumerate([(0.7, 0), (1.0, 30), (1.3, 7), (0.5, 100)]):
+        row = x[r].numpy()
+        w = np.exp((row - row.max()) / t)
+        kept = np.where(w >= np.sort(w)[::-1][k - 1], w, 0.0) if k else w
+        top_p = _robust(np.cumsum(np.sort(kept[kept > 0])[::-1]) / kept.sum(), rng)
+        min_p = 0.0 if r % 2 else float(np.sort(w / w.max())[-5] * 0.999)
+        want = reference_probs(row, t, k, top_p, min_p)
+        args = dict(temperature=t, top_k=k, top_p=top_p, min_p=min_p)
+        got = fs.process(x[r : r + 1].float(), **args)[0].double().numpy()
+        assert np.array_equal(got > 0, want > 0), f"row {r}: kept sets differ"
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+    del gen
+
+
+def _robust(masses: np.ndarray, rng: np.random.Generator) -> float:
+    """A top_p halfway between two cumulative masses far apart (not hinging on rounding)."""
+    gaps = np.flatnonzero(np.diff(masses) > 1e-3)
+    j = int(rng.choice(gaps))
+    return float((masses[j] + masses[j + 1]) / 2)
+
+
+def test_tokens_identical_to_torch_path_with_the_same_seeds(backend):
+    batch, vocab = 40, 300
+    x = logits_rows(batch, vocab, seed=7)
+    seed = torch.arange(batch) * 7919 + 11
+    step = torch.arange(batch) % 5
+    runs = [
+        dict(logits=x, seed=seed, step=step, **tensor_controls(batch, vocab, seed=2)),
+        dict(logits=x, seed=3, temperature=0.9, top_k=25, top_p=0.8, min_p=0.01),
+        dict(probs=torch.softmax(x.double(), -1), seed=seed, temperature=1.2, top_p=0.95),
+        dict(logits=x, seed=seed, temperature=torch.rand(batch) + 0.5, top_logprobs=3),
+        dict(logits=x[:8], seed=seed[:8], temperature=0.9, top_p=0.9, num_samples=3),
+    ]
+    rows = same = 0
+    for kwargs in runs:
+        theirs, ours = both(backend, fs.sample, **kwargs)
+        rows += ours.token_ids.shape[0]
+        same += int((ours.token_ids == theirs.token_ids).all(-1).sum())
+        assert torch.equal(ours.valid, theirs.valid)
+        torch.testing.assert_close(ours.probs, theirs.probs, rtol=1e-5, atol=0)
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, rtol=1e-5, atol=1e-6)
+        if theirs.top_token_ids is not None:
+            assert torch.equal(ours.top_token_ids, theirs.top_token_ids)
+            torch.testing.assert_close(ours.top_logprobs, theirs.top_logprobs, rtol=1e-5, atol=1e-6)
+    # Rows may differ only where float sums round differently at a boundary (>= 99.9%).
+    assert same >= rows - rows // 1000, f"{rows - same} of {rows} rows drew another token"
+
+
+def test_law_of_the_draws_against_exact_probabilities():
+    """Kept weights from the controls kernel, drawn by the inverse-CDF stage: the law is the
+    float64 reference's; a 10% bias on the even tokens and the classic top-p bug are caught."""
+    vocab, draws = 48, 40_000
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, vocab, generator=gen) * 1.5
+    x[0, 5] = x[0, 9]  # a tie
+    x[0, 20] = -math.inf
+    args = dict(temperature=1.4, top_k=24, top_p=0.85, min_p=0.02)
+    controls = check_controls(*args.values(), 1, vocab, x.device)
+    weights, sums, total, valid = controls_ops.processed(x, None, controls, None)
+    exact = reference_probs(x[0].double().numpy(), *args.values())
+    assert np.array_equal(weights[0].numpy() > 0, exact > 0)
+    ids, _, _, ok = draw_from_sums_op(
+        weights.expand(draws, -1), sums.expand(draws, -1), total.repeat(draws),
+        valid.repeat(draws), 1, torch.arange(draws) * 2654435761, None, None, 0,
+    )  # fmt: skip
+    assert bool(ok.all())
+    counts = np.bincount(ids[:, 0].numpy(), minlength=vocab)
+    stattests.assert_law(counts, exact, what="controls kernel + draw")
+    assert stattests.law_rejected(counts, stattests.parity_biased(exact, 1.1))
+    buggy = reference_probs(x[0].double().numpy(), *args.values(), top_p_on_all=True)
+    assert stattests.law_rejected(counts, buggy)
+
+
+def test_batch_invariance_is_bitwise(backend):
+    backend("triton")
+    batch, vocab = 6, 260
+    x = logits_rows(batch, vocab, seed=13)
+    controls = tensor_controls(batch, vocab, seed=3)
+    seed = torch.arange(batch) + 100
+    whole = fs.sample(x, seed=seed, **controls)
+    dist = fs.process(x, **controls)
+    for r in (0, 2, 5):  # a greedy row, a masked row, a plain one
+        alone = {name: value[r : r + 1] for name, value in controls.items()}
+        one = fs.sample(x[r : r + 1], seed=seed[r : r + 1], **alone)
+        assert torch.equal(one.token_ids, whole.token_ids[r : r + 1])
+        assert torch.equal(one.probs, whole.probs[r : r + 1])
+        assert torch.equal(one.logprobs, whole.logprobs[r : r + 1])
+        assert torch.equal(fs.process(x[r : r + 1], **alone), dist[r : r + 1])
+
+
+def test_bad_rows_are_flagged_and_leave_other_rows_bitwise_unchanged(backend):
+    batch, vocab = 10, 100
+    clean = logits_rows(batch, vocab, seed=17)
+    controls = tensor_controls(batch, vocab, seed=4)
+    controls["temperature"][0] = 0.9  # no greedy row here
+    x = clean.clone()
+    x[5, 7] = math.nan
+    x[6, 3] = math.inf
+    x[7] = -math.inf
+    bad_controls = {name: value.clone() for name, value in controls.items()}
+    bad_controls["temperature"][8] = -1.0
+    bad_controls["top_p"][9] = math.nan
+    bad_controls["top_k"][0] = -3
+    stream = torch.zeros(batch, dtype=torch.int64)
+    stream[1] = 2**24  # out of range: data, flagged like a bad value
+    bad = torch.tensor([i in (0, 1, 5, 6, 7, 8, 9) for i in range(batch)])
+    seed = torch.arange(batch) + 1
+    common = dict(seed=seed, top_logprobs=2)
+    theirs, ours = both(backend, fs.sample, x, stream=stream, **common, **bad_controls)
+    reference = fs.sample(clean, stream=torch.zeros_like(stream), **common, **controls)
+    assert torch.equal(ours.valid, ~bad) and torch.equal(theirs.valid, ~bad)
+    assert torch.equal(ours.token_ids[bad], torch.zeros(int(bad.sum()), 1, dtype=torch.int64))
+    assert bool((ours.probs[bad] == 0).all()) and bool((ours.logprobs[bad] == -math.inf).all())
+    assert bool((ours.top_logprobs[bad] == -math.inf).all())
+    for field in ("token_ids", "probs", "logprobs", "top_token_ids", "top_logprobs"):
+        assert torch.equal(getattr(ours, field)[~bad], getattr(reference, field)[~bad]), field
+    # process: the same rows are all zeros.
+    dist = fs.process(x, **bad_controls)
+    rows_bad = bad.clone()
+    rows_bad[1] = False  # the stream is sample's only
+    assert bool((dist[rows_bad] == 0).all())
+    assert float((dist[~rows_bad].sum(-1) - 1).abs().max()) < 1e-5
+
+
+def test_probabilities_overflowing_float32_sums_are_flagged(backend):
+    probs = torch.full((3, 300), 2.0**120)
+    probs[1] = 0.5
+    temperature = torch.tensor([1.0, 1.0, 0.0])  # a greedy row needs no sum
+    theirs, ours = both(backend, fs.sample, probs=probs, temperature=temperature, seed=1)
+    assert ours.valid.tolist() == theirs.valid.tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 257])
+def test_edge_shapes(vocab, backend):
+    x = logits_rows(3, max(vocab, 3), seed=vocab)[:, :vocab].contiguous()
+    x[2, :] = torch.linspace(0, 1, vocab)
+    kwargs = dict(seed=torch.tensor([1, 2, 3]), temperature=0.9, top_k=2, top_p=0.7)
+    theirs, ours = both(backend, fs.sample, x, **kwargs)
+    assert torch.equal(ours.token_ids, theirs.token_ids)
+    assert torch.equal(ours.valid, theirs.valid)
+    one_t, one_o = both(backend, fs.sample, x[:1], seed=5, temperature=torch.tensor([0.5]))
+    assert one_o.token_ids.shape == (1, 1) and torch.equal(one_o.token_ids, one_t.token_ids)
+
+
+def test_greedy(backend):
+    x = torch.tensor([[1.0, 3.0, 3.0, -math.inf], [math.nan, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    theirs, ours = both(backend, fs.sample, x, temperature=0.0)  # the one-launch kernel
+    assert ours.token_ids[:, 0].tolist() == [1, 0, 0] == theirs.token_ids[:, 0].tolist()
+    assert ours.valid.tolist() == [True, False, True] == theirs.valid.tolist()
+    assert ours.probs[:, 0].tolist() == [1.0, 0.0, 1.0] and ours.logprobs[0, 0] == 0.0
+    probs = torch.tensor([[0.2, 0.4, 0.4], [0.5, -0.1, 0.6]])
+    theirs, ours = both(backend, fs.sample, probs=probs, temperature=0.0)
+    assert ours.token_ids[:, 0].tolist() == [1, 0] and ours.valid.tolist() == [True, False]
+    # Greedy rows among sampled ones, and with top_logprobs: a point mass on the first maximum.
+    t = torch.tensor([0.0, 1.0, 0.0])
+    y = x.nan_to_num(0.0)
+    theirs, ours = both(backend, fs.sample, y, temperature=t, top_p=0.9, seed=1, top_logprobs=2)
+    for field in ("token_ids", "valid", "top_token_ids"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+    for field in ("probs", "logprobs", "top_logprobs"):  # up to an ulp of exp
+        torch.testing.assert_close(getattr(ours, field), getattr(theirs, field), rtol=1e-6, atol=0)
+    theirs, ours = both(backend, fs.sample, y, temperature=0.0, top_logprobs=2)
+    assert torch.equal(ours.top_logprobs, theirs.top_logprobs)
+
+
+def test_rows_read_in_several_tiles_agree(monkeypatch, backend):
+    """The GPU layout (tiles of 512, here 256) gives the interpreter's one-tile answer."""
+    backend("triton")
+    x = logits_rows(5, 1100, seed=19)
+    controls = tensor_controls(5, 1100, seed=5)
+    whole = fs.process(x, **controls)
+    monkeypatch.setattr(kc, "tile_for", lambda vocab, interpreted: 256)
+    tiled = fs.process(x, **controls)
+    assert torch.equal(tiled > 0, whole > 0)
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=0)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """aten ops dispatched, not counting allocations, views and the kernels' own operators
+    (whose launches :func:`fastsample.kernels.launch.launches` counts)."""
+
+    FREE = frozenset({
+        "empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view",
+        "_reshape_alias", "expand", "as_strided", "alias", "detach", "slice", "select",
+        "unsqueeze", "squeeze", "t", "transpose", "permute", "lift_fresh",
+    })  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace == "aten" and name not in self.FREE:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _device_work(call) -> tuple[int, list[str]]:
+    before = launch.launches()
+    with _CountOps() as counter:
+        call()
+    return len(counter.ops) + launch.launches() - before, counter.ops
+
+
+def test_launch_budget(backend):
+    backend("triton")
+    batch, vocab = 5, 1000
+    x = torch.randn(batch, vocab)
+    controls = tensor_controls(batch, vocab, seed=6)
+    seed, step = torch.arange(batch), torch.zeros(batch, dtype=torch.int64)
+    budgets = {
+        "tensor controls + seeds": (lambda: fs.sample(x, seed=seed, step=step, **controls), 4),
+        "numbers, seeded": (
+            lambda: fs.sample(x, temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, seed=3),
+            4,
+        ),
+        "numbers, unseeded": (lambda: fs.sample(x, temperature=0.7, top_k=50, top_p=0.9), 4),
+        "greedy": (lambda: fs.sample(x, temperature=0.0), 2),
+    }
+    for name, (call, budget) in budgets.items():
+        work, ops = _device_work(call)
+        assert work <= budget, f"{name}: {work} > {budget} ({ops})"
+
+
+def test_compiled_fullgraph_traces_the_kernels(backend):
+    backend("triton")
+    x = logits_rows(5, 64, seed=23)
+    controls = tensor_controls(5, 64, seed=7)
+    seed = torch.arange(5)
+
+    def step(logits, seed, temperature, top_k, top_p, min_p):
+        out = fs.sample(logits, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
+                        min_p=min_p)  # fmt: skip
+        return out.token_ids, out.valid
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    got = compiled(x, seed, *controls.values())
+    want = step(x, seed, *controls.values())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
