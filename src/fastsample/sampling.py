@@ -302,7 +302,7 @@ def _check_top_logprobs(top_logprobs: object, vocab: int) -> int:
 
 
 def _greedy_draws(
-    source: Tensor, is_logits: bool, num_samples: int, processed: Processed
+    source: Tensor, is_logits: bool, num_samples: int, processed: Processed | small_top_k.Drawn
 ) -> tuple[Tensor, Tensor]:
     """Greedy ids ``(B, n)`` and which are genuine: the first maximal index, and for ``n > 1``
     the ``n`` largest entries in order (the ``T -> 0`` limit of draws without replacement);
@@ -418,11 +418,21 @@ def sample(
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
         got = small_top_k.draw(logits, controls, num_samples, source)
-        token_ids = got.token_ids.clamp_max_(vocab - 1)
-        out = _finish(logits, token_ids, got.genuine, got.total, got.valid, got.read)
+        token_ids, genuine = got.token_ids.clamp_max_(vocab - 1), got.genuine
+        if got.greedy is not None:  # tensor temperature: greedy rows as the general path
+            greedy_ids, greedy_genuine = _greedy_draws(logits, True, num_samples, got)
+            token_ids = torch.where(got.greedy[:, None], greedy_ids, token_ids)
+            genuine = torch.where(got.greedy[:, None], greedy_genuine, genuine)
+        out = _finish(logits, token_ids, genuine, got.total, got.valid, got.read)
+        if got.greedy is not None:  # a point mass, as below
+            point = out.valid[:, None] & genuine & got.greedy[:, None]
+            out = out._replace(
+                probs=torch.where(point, 1.0, out.probs).to(out.probs.dtype),
+                logprobs=torch.where(point, 0.0, out.logprobs).to(out.logprobs.dtype),  # type: ignore[arg-type]
+            )
         if num_top:
             out = _with_top_logprobs(
-                out, logits, num_top, got.maxima, got.read, got.total, got.valid
+                out, logits, num_top, got.maxima, got.read, got.total, got.valid, got.greedy
             )
         return _flag_rows(out, ok)
     processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)

@@ -37,11 +37,15 @@ def reference_threshold(row: np.ndarray, target: float, by: str) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("by", ["count", "mass", "share"])
-@pytest.mark.parametrize("method", ["radix", "radix_wide_chunked", "radix_int64_keys", "bisect"])
+@pytest.mark.parametrize(
+    "method", ["radix", "radix_wide_chunked", "radix_int64_keys", "bisect", "sorted"]
+)
 def test_threshold_matches_sorting(dtype, by, method, monkeypatch):
     values = rows(dtype, 1000, seed=1)
     gen = np.random.default_rng(2)
     select = _bisect_threshold if method == "bisect" else descending_threshold
+    if method == "sorted":  # the short-row path, on rows of 1000
+        monkeypatch.setattr(select_module, "_SORT_BELOW", 1001)
     if method in ("radix_wide_chunked", "radix_int64_keys"):
         # The 16-bit digits of long rows, and one row per chunk (5 rows: every chunk path).
         monkeypatch.setattr(select_module, "_WIDE_FROM", 2)
@@ -98,9 +102,11 @@ def test_wide_digits_on_a_long_row_match_sorting():
             assert float(got[r]) == want or (by == "mass" and _near_boundary(row, target[r]))
 
 
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide", [False, True, "sorted"])
 def test_threshold_keeps_ties_and_survives_garbage(wide, monkeypatch):
-    if wide:
+    if wide != "sorted":  # rows of 6: sorted unless the radix is asked for
+        monkeypatch.setattr(select_module, "_SORT_BELOW", 0)
+    if wide is True:
         monkeypatch.setattr(select_module, "_WIDE_FROM", 2)
     values = torch.tensor(
         [
@@ -128,12 +134,14 @@ def test_empty_batch(vocab, dtype):
 
 
 @pytest.mark.parametrize("keys", [None, torch.int64])
-@pytest.mark.parametrize("rounds", ["short", "wide"])
+@pytest.mark.parametrize("rounds", ["short", "wide", "sorted"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_negative_zero_counts_as_zero(rounds, dtype, keys, monkeypatch):
     """``-0.0`` weights (probabilities may hold them) are zeros, in odd and even columns and
     in every round: a set sign bit makes a negative key, which must never count as a weight
     (with int32 keys it wraps around in round 2, with int64 keys it does not)."""
+    if rounds != "sorted":  # rows of 300: sorted unless the radix is asked for
+        monkeypatch.setattr(select_module, "_SORT_BELOW", 0)
     if rounds == "wide":
         monkeypatch.setattr(select_module, "_WIDE_FROM", 2)
     if keys is not None:
@@ -198,3 +206,14 @@ def test_first_argmax_and_short_vocabularies():
     wide[1, 513] = wide[1, 700] = 3
     assert first_argmax(wide).tolist() == [999, 513]
     assert top_entries(torch.tensor([[3.0]]), 1)[1].tolist() == [[0]]
+
+
+def test_short_rows_are_sorted_not_given_a_radix_table(monkeypatch):
+    """Rows shorter than ``_SORT_BELOW`` take the sort: no ``(B, 2**11 + 128)`` table."""
+    assert select_module._SORT_BELOW <= 1 << 11
+    calls = []
+    monkeypatch.setattr(select_module, "key_scratch", lambda *a: calls.append(a))
+    values = torch.rand(50, 8, generator=torch.Generator().manual_seed(4))
+    got = descending_threshold(values, torch.full((50,), 3.0, dtype=torch.float64), "count")
+    assert not calls
+    assert torch.equal(got, values.sort(-1, descending=True).values[:, 2])

@@ -90,9 +90,7 @@ def global_cut(comm: Comm, buffer: Tensor, call: Call, maxima: Tensor) -> Tensor
             # The survivors' mass as one process sums it: every survivor above cut_k is a
             # (merged) candidate, the rest are ties at cut_k, counted on every shard.
             ties = comm.all_reduce(count_equal(buffer, cut), "sum")
-            strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
-            mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
-            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
+            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, ties)
         else:
             # Radix on the top-k survivors: above cut_k their upper sets are the weights' own.
             survivors = buffer if cut is None else torch.where(buffer >= cut[:, None], buffer, 0)

@@ -38,19 +38,28 @@ def top_p_cut(weights: Tensor, top_p: float | Tensor, mass: Tensor | None) -> Te
 
 
 def top_p_cut_from_candidates(
-    candidates: Tensor, cut_k: Tensor, top_p: float, mass: Tensor
+    candidates: Tensor, cut_k: Tensor, top_p: float | Tensor, ties: Tensor
 ) -> Tensor:
-    """Top-p threshold after a top-k cut taken from candidates (static ``k``).
+    """Top-p threshold after a top-k cut taken from candidates.
 
-    Every survivor above ``cut_k`` is among the candidates (sorted, largest first), so the
-    cut is the first candidate where the mass from the top reaches ``top_p * mass``, or
-    ``cut_k`` itself if none does (the boundary ties, wherever they are, complete it).
+    Every survivor above ``cut_k`` is among the candidates (sorted, largest first; there may
+    be more candidates than a row's ``k``), and ``ties`` (``(B,)`` float64) entries equal
+    ``cut_k``. The survivors' mass is the candidates' above ``cut_k`` plus the ties'; the cut
+    is the first candidate where the mass from the top reaches ``top_p`` of it, or ``cut_k``
+    itself if none does (the boundary ties, wherever they are, complete it). Masses are
+    running float64 sums from the top (a sequential ``cumsum``), so the numbers do not depend
+    on how many candidates follow the row's own ``k``. A tensor ``top_p`` of 1 or more (off,
+    or invalid) gives 0, like :func:`top_p_cut`.
     """
     above = torch.where(candidates > cut_k[:, None], candidates, 0.0).to(torch.float64)
-    reached = above.cumsum(-1) >= top_p * mass[:, None]
+    running = above.cumsum(-1)
+    mass = running[:, -1] + ties * cut_k.to(torch.float64)
+    target = (top_p.to(torch.float64) if isinstance(top_p, Tensor) else top_p) * mass
+    reached = running >= target[:, None]
     first = reached.to(torch.uint8).argmax(-1, keepdim=True)
     cut = candidates.gather(1, first).squeeze(1)
-    return torch.where(reached.any(-1), cut, cut_k)
+    cut = torch.where(reached.any(-1), cut, cut_k)
+    return torch.where(top_p < 1, cut, 0.0) if isinstance(top_p, Tensor) else cut
 
 
 # Cuts are applied by dividing each row by its cut and zeroing what falls below 1, one scalar
@@ -143,19 +152,15 @@ def row_cuts(
     if controls.top_p is not None:
         # For thresholds at or above cut_k the mass above them is the same with or without
         # the top-k cut, so top-p needs only the survivors' mass, not a masked copy.
-        mass: Tensor | None = None  # None: the whole row's, read off the radix's first round
         if candidates is not None:
             # Every survivor above cut_k is a candidate; the rest are ties at cut_k, anywhere
             # in the row: count them (one compare pass, no masked copy).
+            assert cut is not None
             ties = count_equal(weights, cut)
-            strictly_above = torch.where(candidates > cut[:, None], candidates, 0.0)
-            mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut.to(torch.float64)
-        elif cut is not None:
-            mass = kept_mass(weights, cut)
-        if candidates is not None and isinstance(controls.top_p, float):
-            assert cut is not None and mass is not None
-            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, mass)
+            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, ties)
         else:
+            # None: the whole row's mass, read off the radix's first round.
+            mass = None if cut is None else kept_mass(weights, cut)
             cut_p = top_p_cut(weights, controls.top_p, mass)
         cut = cut_p if cut is None else torch.maximum(cut, cut_p)
     if controls.min_p is not None:

@@ -20,7 +20,8 @@ buckets (two levels of 64) finds the bucket where the count or mass from the top
 only (everything else lands in dump buckets below or above it). Round 1 holds every weight,
 so a mass target given as a share of the row needs no separate pass for the row's total.
 Two rounds for float32 (16 + 15 bits), four for
-float64; rows shorter than 32,768 take three (float64: six) rounds of 10-11 bits. A fixed
+float64; rows shorter than 32,768 take three (float64: six) rounds of 10-11 bits, and rows
+shorter than 512 are sorted instead (a table per row would outweigh them). A fixed
 number of full-shape ops, no host sync, no data-dependent shape, and the
 result is an exact bit pattern, so ties are handled for free. Memory: one float table of
 ``B x (2**16 + 128)`` (less than the weights themselves for the rows that use it) and ~1 MiB
@@ -67,6 +68,11 @@ _WIDE_FROM = 1 << 15  # row length from which the wide digits are used
 # Rows per chunk of the radix rounds on CPU: as many as keep one chunk's keys near this many
 # bytes.
 _CHUNK_BYTES = 1 << 20
+# Rows shorter than this are sorted instead (:func:`_sorted_threshold`): the radix table of
+# 2**11 + 128 buckets per row would be larger than the row itself (B=50,000 rows of V=8 took
+# 5.5 s and ~550 MB), while a sort of short rows costs a few times the row and stays linear
+# in the input's size. Measured crossover on the 2-core CPU: V ~ 512 (B x V = 4M entries).
+_SORT_BELOW = 512
 _GROUP = 64  # buckets per group of the two-level suffix search
 _TOP_GROUP = 32  # entries per group in the second level of candidate_entries
 
@@ -132,6 +138,8 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     if torch.compiler.is_compiling():
         return _bisect_threshold(values, target, by)
     batch, vocab = values.shape
+    if vocab < _SORT_BELOW:
+        return _sorted_threshold(values, target, by)
     device, dtype = values.device, values.dtype
     digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
     key_bytes = 4 if key_dtype(dtype, device) == torch.int32 else 8
@@ -172,6 +180,26 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
         prefix = (prefix << width) | (digit - _GROUP).clamp_(0, (1 << width) - 1).to(keys.dtype)
     pattern = prefix.squeeze(1)
     return (pattern if dtype == torch.float64 else pattern.to(torch.int32)).view(dtype)
+
+
+def _sorted_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
+    """:func:`descending_threshold` by sorting each row (short rows: memory and time a small
+    multiple of the input's). Masses are summed in float64 in descending order, so a top-p
+    decision can differ from the radix's only where ``target`` is within rounding of a
+    cumulative mass."""
+    vocab = values.shape[1]
+    ranked = torch.sort(values, dim=1, descending=True).values
+    if by == "count":
+        # The entries >= the ceil(target)-th largest number at least target (ties included).
+        position = target.ceil().sub_(1).clamp_(0, vocab - 1).to(torch.int64)[:, None]
+    else:
+        mass = ranked.to(torch.float64).cumsum(-1)
+        if by == "share":
+            target = target * mass[:, -1]
+        # The first prefix reaching the target (prefixes of non-negative values only grow):
+        # its last entry's upper set holds that prefix and any ties after it.
+        position = (mass < target[:, None]).sum(-1, keepdim=True).clamp_max_(vocab - 1)
+    return ranked.gather(1, position).squeeze(1)
 
 
 def _int32_index_dtype() -> torch.dtype:

@@ -21,10 +21,24 @@ entry (~25 read passes of eager CPU ops), this path computes:
    weight (exactly 1, or 0 if cut);
 5. the blocked inverse CDF over that table, reading a chosen block's weights from its logits.
 
+Per-row controls: temperature, top-p and min-p may be ``(B,)`` tensors (applied to the
+candidates, as the general path applies them to the row; greedy rows, ``T == 0``, are drawn
+at ``T = 1`` and replaced by the caller, as there). ``top_k`` may be a ``(B,)`` tensor too
+where its values can be read without a device sync (a CPU tensor outside ``torch.compile``
+and tracing): the candidates are then the ``max(k)`` largest and each row is cut at its own
+``k`` (see :func:`candidate_count`; a row with top-k off sends the batch to the general path).
+On CPU in eager mode the counting pass of step 3 only reads the blocks whose maximum reaches
+``x_low`` (a data-dependent selection, which costs nothing there): for continuous logits
+those are the candidate blocks alone, so the pass over the whole row disappears. On CUDA and
+under ``torch.compile`` the fixed-shape pass over every block stays (no sync, no
+data-dependent shape).
+
 Every number is computed by the same float operations as the general path
 (:func:`fastsample.controls.processed_weights`, then
 :func:`~fastsample.inverse_cdf.inverse_cdf_draw` over the kept weights), so the draws are
-bitwise those of ``top_k`` given as a ``(B,)`` tensor; the tests hold the two paths to that
+bitwise those of the general path with the same Python ``top_k`` (and, per row, with a
+tensor one: the candidates' count does not change any row's numbers); the tests hold the
+two paths to that
 on CPU (and on CUDA where one is present: a reduction there could order its float32 block
 sums differently for the two shapes, which would change a draw only when its uniform falls
 within that rounding of a block boundary; the law is exact either way).
@@ -44,9 +58,16 @@ from .inverse_cdf import BLOCK, inverse_cdf_draw
 from .noise import UniformSource
 from .pieces import piece_rows
 from .seeds import _small_op_mode
-from .select import CANDIDATE_MAX_K, block_maxima, candidate_entries, order_key
+from .select import (
+    CANDIDATE_MAX_K,
+    Candidates,
+    block_maxima,
+    candidate_entries,
+    first_argmax,
+    order_key,
+)
 from .validation import Controls
-from .weights import logit_weights_
+from .weights import controls_in_range, logit_weights_
 
 # The counting pass works on pieces of this many logits (1 MiB of float32): its scratch stays
 # in cache, so the pass costs little more than reading the logits.
@@ -58,6 +79,10 @@ _SEARCH_SHIFT = 5  # 2**5 = 32-way search: 31 probes a round divide the interval
 # 2**32 -> 2**27 -> ... -> 2**7 -> 4 -> 1 in 7 rounds. (Wider rounds cost more per probe
 # than they save in rounds: 64-way 6 rounds 0.29 ms, 256-way 4 rounds 0.41 ms, here 0.26.)
 _SEARCH_ROUNDS = 7
+# The selective counting pass (CPU eager) reads the blocks outside the candidates whose
+# maximum reaches x_low one by one; past this share of all blocks the pass over every block
+# (cache-sized pieces) is cheaper (integer logits, say, tie in every block).
+_SELECTIVE_MAX_SHARE = 0.125
 
 
 # Logits the path serves: float32 and the half types, whose weights the general path
@@ -74,6 +99,36 @@ class Drawn(NamedTuple):
     valid: Tensor  # (B,) bool
     read: Callable[[Tensor], Tensor]  # kept (scaled) weights at (B, c) columns
     maxima: Tensor  # (B, blocks) block maxima of the logits (for top_logprobs)
+    greedy: Tensor | None = None  # (B,) bool rows with a tensor temperature of 0, or None
+    greedy_ids: Tensor | None = None  # (B,) their first maximal index, or None
+
+
+def host_readable(value: Tensor) -> bool:
+    """Whether reading ``value`` on the host is free: a CPU tensor in eager mode (no device
+    sync; under ``torch.compile`` or tracing a read would break or freeze the graph)."""
+    return (
+        value.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
+
+
+def candidate_count(controls: Controls, vocab: int) -> int | None:
+    """How many candidates :func:`draw` takes for these controls, or None if it cannot serve
+    their ``top_k``: a Python int up to :data:`~fastsample.select.CANDIDATE_MAX_K`, or a
+    host-readable tensor whose rows all cut (``1 <= k < V``, at most that many), the largest.
+
+    Rows with a negative ``k`` are invalid (flagged by the caller) and are served as ``k = 1``;
+    a row with top-k off (``0`` or ``>= V``) needs the general path's selection over its row.
+    """
+    k = controls.top_k
+    if isinstance(k, int):
+        return k if k <= CANDIDATE_MAX_K else None
+    if not isinstance(k, Tensor) or k.numel() == 0 or not host_readable(k):
+        return None
+    # One host read: the largest k, with top-k off (0) counted as V so that it disqualifies.
+    largest = max(int(torch.where(k == 0, vocab, k).max()), 1)
+    return largest if largest < vocab and largest <= CANDIDATE_MAX_K else None
 
 
 def applies(logits: Tensor | None, controls: Controls) -> bool:
@@ -85,11 +140,8 @@ def applies(logits: Tensor | None, controls: Controls) -> bool:
     return (
         batch > 0
         and vocab >= BLOCK
-        and isinstance(controls.top_k, int)
-        and controls.top_k <= CANDIDATE_MAX_K
-        and (t is None or (isinstance(t, float) and t > 0))
-        and not isinstance(controls.top_p, Tensor)
-        and not isinstance(controls.min_p, Tensor)
+        and (t is None or isinstance(t, Tensor) or t > 0)
+        and candidate_count(controls, vocab) is not None
     )
 
 
@@ -97,12 +149,15 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     """Draws from the processed distribution of ``logits`` (:func:`applies` holds).
 
     ``read`` in the result gives the kept (scaled) weight at any ``(B, c)`` columns, as the
-    general path's weight buffer would hold it.
+    general path's weight buffer would hold it. With a tensor temperature, ``greedy`` and
+    ``greedy_ids`` tell the rows to replace by their first maximal index (drawn at ``T = 1``
+    here, like the general path draws them).
     """
     batch, vocab = logits.shape
     width = vocab + vocab % 2  # the general path's even-width weight buffer
     temperature = controls.temperature
-    assert isinstance(controls.top_k, int)
+    count = candidate_count(controls, vocab)
+    assert count is not None
 
     maxima = block_maxima(logits)
     best = maxima.amax(-1).to(torch.float32)
@@ -113,20 +168,30 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         return logit_weights_(out, x, shift, temperature)
 
-    found = candidate_entries(logits, controls.top_k, maxima)
+    found = candidate_entries(logits, count, maxima)
     candidates = torch.where(found.values > -math.inf, weigh(found.values), 0.0)
-    cut_k = candidates[:, -1]
-    x_low = _lowest_logit_reaching(weigh, found.values[:, -1].float(), cut_k)
-    counts = _count_at_least(logits, x_low)  # (B, blocks) float32
+    if isinstance(controls.top_k, Tensor):  # each row's own k-th largest (sorted candidates)
+        kth = controls.top_k.clamp(1, count).sub_(1).to(torch.int64)[:, None]
+        cut_k = candidates.gather(1, kth).squeeze(1)
+        x_k = found.values.gather(1, kth).squeeze(1)
+    else:
+        cut_k, x_k = candidates[:, -1], found.values[:, -1]
+    x_low = _lowest_logit_reaching(weigh, x_k.float(), cut_k)
+    # 0/1 where a candidate block's entry is >= x_low: its count, and its kept weights below.
+    hits = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
+    torch.ge(found.content, x_low[:, None], out=hits)
+    if host_readable(logits):
+        counts = _count_selected(logits, x_low, maxima, found, hits, finite & (cut_k > 0))
+    else:
+        counts = _count_at_least(logits, x_low)  # (B, blocks) float32
 
     # Entries above cut_k are all candidates; the rest of count(x >= x_low) are ties at it.
     strictly_above = torch.where(candidates > cut_k[:, None], candidates, 0.0)
     cut = cut_k
     if controls.top_p is not None:
         ties = counts.sum(-1, dtype=torch.float64) - (strictly_above > 0).sum(-1)
-        mass = strictly_above.sum(-1, dtype=torch.float64) + ties * cut_k.to(torch.float64)
         cut = torch.maximum(
-            cut, top_p_cut_from_candidates(candidates, cut_k, controls.top_p, mass)
+            cut, top_p_cut_from_candidates(candidates, cut_k, controls.top_p, ties)
         )
     if controls.min_p is not None:
         f64 = torch.zeros(batch, dtype=torch.float64, device=logits.device)
@@ -147,9 +212,7 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     # above the floor), else cut. So the candidate blocks' kept weights are that tie weight
     # where x >= x_low, with the k largest written over it: no exp over the blocks.
     tie_weight = ((cut == cut_k) & (cut_k >= CUT_FLOOR[torch.float32])).to(torch.float32)
-    kept = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
-    torch.ge(found.content, x_low[:, None], out=kept)
-    kept.mul_(tie_weight[:, None])
+    kept = hits.mul_(tie_weight[:, None])
     kept = kept.scatter_(1, found.positions, keep(candidates.clone()))
     kept = kept.view(batch, found.content.shape[1] // BLOCK, BLOCK)
     candidate_sums = kept.sum(-1)
@@ -163,7 +226,13 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
     token_ids, genuine, total = inverse_cdf_draw(shape, num_samples, source, sums=sums, read=read)
     valid = finite & (total > 0) & (total < math.inf)
-    return Drawn(token_ids, genuine, total, valid, read, maxima)
+    tensors = (temperature, controls.top_k, controls.top_p, controls.min_p)
+    if any(isinstance(c, Tensor) for c in tensors):
+        valid = valid & controls_in_range(controls, batch, logits.device)
+    greedy = greedy_ids = None
+    if isinstance(temperature, Tensor):
+        greedy, greedy_ids = temperature == 0, first_argmax(logits, maxima)
+    return Drawn(token_ids, genuine, total, valid, read, maxima, greedy, greedy_ids)
 
 
 def _lowest_logit_reaching(weigh: Callable[[Tensor], Tensor], x_k: Tensor, cut_k: Tensor) -> Tensor:
@@ -206,3 +275,35 @@ def _count_at_least(logits: Tensor, x_low: Tensor) -> Tensor:
             part = torch.cat((part, hits[:, full * BLOCK :].sum(-1, keepdim=True)), dim=1)
         pieces.append(part)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _count_selected(
+    logits: Tensor, x_low: Tensor, maxima: Tensor, found: Candidates, hits: Tensor, rows: Tensor
+) -> Tensor:
+    """:func:`_count_at_least` from the blocks that can hold an entry ``>= x_low`` (CPU eager).
+
+    The candidate blocks' counts come from ``hits`` (their 0/1 comparisons, already made);
+    any other block counts only if its maximum reaches ``x_low``, and only for ``rows`` (the
+    others' ties weigh nothing: ``cut_k`` is 0, or the row is invalid). Those blocks are read
+    one by one, a data-dependent selection; if there are many, the pass over every block.
+    The counts are exact integers either way, so the numbers are the full pass's.
+    """
+    batch, blocks = maxima.shape
+    vocab = logits.shape[1]
+    chosen = found.blocks.shape[1]
+    counts = torch.zeros(batch, blocks, dtype=torch.float32, device=logits.device)
+    counts.scatter_(1, found.blocks, hits.view(batch, chosen, BLOCK).sum(-1))
+    # NaN maxima never reach; -inf padding of the candidates never does either (x_low > -inf).
+    reaching = (maxima >= x_low[:, None]) & rows[:, None]
+    reaching.scatter_(1, found.blocks, False)
+    row_ids, block_ids = reaching.nonzero(as_tuple=True)
+    selected = row_ids.shape[0]
+    if selected == 0:
+        return counts
+    if selected > _SELECTIVE_MAX_SHARE * batch * blocks:
+        return _count_at_least(logits, x_low)
+    columns = block_ids[:, None] * BLOCK + torch.arange(BLOCK, device=logits.device)
+    values = logits[row_ids[:, None], columns.clamp_max(vocab - 1)]
+    reached = (values >= x_low[row_ids][:, None]) & (columns < vocab)
+    counts[row_ids, block_ids] = reached.sum(-1, dtype=torch.float32)
+    return counts
