@@ -90,18 +90,29 @@ def _last(tile, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _sums_tile(sums_base, first, num_blocks, live, drawn_blocks, lefts, slots, k, WIDTH):
+def _sums_tile(sums_base, first, num_blocks, live, drawn_blocks, lefts, slots, k, WIDTH, REMOVALS):
     """Block sums ``first .. first + WIDTH - 1`` with the removals of draws ``< k`` applied.
 
     A block drawn from before holds what was left after its latest draw (``lefts``).
     """
     index = first + tl.arange(0, WIDTH)[None, :].to(tl.int64)
     sums = tl.load(sums_base[:, None] + index, mask=live[:, None] & (index < num_blocks), other=0.0)
-    earlier = slots[:, None, :] < k
-    match = (index[:, :, None] == drawn_blocks[:, None, :]) & earlier
-    latest = tl.max(tl.where(match, slots[:, None, :], -1), 2)
-    left = tl.sum(tl.where(slots[:, None, :] == latest[:, :, None], lefts[:, None, :], 0.0), 2)
-    return index, tl.where(latest >= 0, left, sums)
+    if REMOVALS:
+        earlier = slots[:, None, :] < k
+        match = (index[:, :, None] == drawn_blocks[:, None, :]) & earlier
+        latest = tl.max(tl.where(match, slots[:, None, :], -1), 2)
+        left = tl.sum(tl.where(slots[:, None, :] == latest[:, :, None], lefts[:, None, :], 0.0), 2)
+        sums = tl.where(latest >= 0, left, sums)
+    return index, sums
+
+
+@triton.jit
+def _pick_block(index, sums, prefix, target, block, num_blocks):
+    """The number of prefixes ``<= target`` so far, and the prefix and sum at ``block``."""
+    below = (prefix <= target[:, None]) & (index < num_blocks)
+    here = index == block[:, None]
+    at_prefix = tl.sum(tl.where(here, prefix, 0.0), 1)
+    return tl.sum(below.to(tl.int64), 1), at_prefix, tl.sum(tl.where(here, sums, 0.0), 1)
 
 
 @triton.jit
@@ -124,6 +135,7 @@ def draw_stage(
     ROWS: tl.constexpr,
     TILE: tl.constexpr,
     SUMS_TILE: tl.constexpr,
+    ONE_SUMS_TILE: tl.constexpr,
 ):
     """``NUM_SAMPLES`` ordered draws without replacement for a tile of rows.
 
@@ -145,33 +157,48 @@ def draw_stage(
     previous = tl.zeros((ROWS,), tl.int64)
     for k in range(0, NUM_SAMPLES):
         u = uniform_at(tl.zeros((ROWS,), tl.int64) + k, c1, c2, c3, k0, k1)
-        # The remaining mass: the last prefix, computed exactly as the search below sees it.
-        carry = tl.zeros((ROWS,), tl.float64)
-        for first in range(0, num_blocks, SUMS_TILE):
+        if ONE_SUMS_TILE:  # every block sum in one tile: one pass finds the block
             index, sums = _sums_tile(
-                sums_base, first, num_blocks, live, drawn_blocks, lefts, slots, k, SUMS_TILE
+                sums_base, 0, num_blocks, live, drawn_blocks, lefts, slots, k, SUMS_TILE,
+                NUM_SAMPLES > 1,
+            )  # fmt: skip
+            prefix = tl.cumsum(sums, 1)
+            remaining = _last(prefix, SUMS_TILE)
+            target = tl.minimum(u * remaining, toward_zero(remaining))
+            count = tl.sum(((prefix <= target[:, None]) & (index < num_blocks)).to(tl.int64), 1)
+            _, prefix_at, sum_at = _pick_block(
+                index, sums, prefix, target, tl.minimum(count, num_blocks - 1), num_blocks
             )
-            carry = _last(carry[:, None] + tl.cumsum(sums, 1), SUMS_TILE)
-        remaining = carry
-        target = tl.minimum(u * remaining, toward_zero(remaining))
-        # The block: the number of prefixes <= target, with its prefix and sum.
-        carry = tl.zeros((ROWS,), tl.float64)
-        count = tl.zeros((ROWS,), tl.int64)
-        prefix_at = tl.zeros((ROWS,), tl.float64)
-        sum_at = tl.zeros((ROWS,), tl.float64)
-        for first in range(0, num_blocks, SUMS_TILE):
-            index, sums = _sums_tile(
-                sums_base, first, num_blocks, live, drawn_blocks, lefts, slots, k, SUMS_TILE
-            )
-            prefix = carry[:, None] + tl.cumsum(sums, 1)
-            carry = _last(prefix, SUMS_TILE)
-            below = (prefix <= target[:, None]) & (index < num_blocks)
-            count += tl.sum(below.to(tl.int64), 1)
-            at = tl.minimum(count, num_blocks - 1)
-            here = index == at[:, None]
-            seen = (at >= first) & (at < first + SUMS_TILE)
-            prefix_at = tl.where(seen, tl.sum(tl.where(here, prefix, 0.0), 1), prefix_at)
-            sum_at = tl.where(seen, tl.sum(tl.where(here, sums, 0.0), 1), sum_at)
+        else:
+            # The remaining mass: the last prefix, exactly as the search below computes it.
+            carry = tl.zeros((ROWS,), tl.float64)
+            for first in range(0, num_blocks, SUMS_TILE):
+                index, sums = _sums_tile(
+                    sums_base, first, num_blocks, live, drawn_blocks, lefts, slots, k,
+                    SUMS_TILE, NUM_SAMPLES > 1,
+                )  # fmt: skip
+                carry = _last(carry[:, None] + tl.cumsum(sums, 1), SUMS_TILE)
+            remaining = carry
+            target = tl.minimum(u * remaining, toward_zero(remaining))
+            # The block: the number of prefixes <= target, with its prefix and sum.
+            carry = tl.zeros((ROWS,), tl.float64)
+            count = tl.zeros((ROWS,), tl.int64)
+            prefix_at = tl.zeros((ROWS,), tl.float64)
+            sum_at = tl.zeros((ROWS,), tl.float64)
+            for first in range(0, num_blocks, SUMS_TILE):
+                index, sums = _sums_tile(
+                    sums_base, first, num_blocks, live, drawn_blocks, lefts, slots, k,
+                    SUMS_TILE, NUM_SAMPLES > 1,
+                )  # fmt: skip
+                prefix = carry[:, None] + tl.cumsum(sums, 1)
+                carry = _last(prefix, SUMS_TILE)
+                below = (prefix <= target[:, None]) & (index < num_blocks)
+                count += tl.sum(below.to(tl.int64), 1)
+                at = tl.minimum(count, num_blocks - 1)
+                seen = (at >= first) & (at < first + SUMS_TILE)
+                _, tile_prefix, tile_sum = _pick_block(index, sums, prefix, target, at, num_blocks)
+                prefix_at = tl.where(seen, tile_prefix, prefix_at)
+                sum_at = tl.where(seen, tile_sum, sum_at)
         block = tl.minimum(count, num_blocks - 1)
         # A valid row's chosen block has positive mass; 0 only on rows that are replaced
         # anyway (no weight left, padding rows), where 1 avoids a meaningless 0 / 0.
@@ -183,8 +210,9 @@ def draw_stage(
         columns = start[:, None] + offsets
         inside = live[:, None] & (columns < vocab)
         values = tl.load(row_base + columns * col_stride, mask=inside, other=0.0).to(tl.float64)
-        drawn_before = (columns[:, :, None] == tokens[:, None, :]) & (slots[:, None, :] < k)
-        values = tl.where(tl.max(drawn_before.to(tl.int32), 2) > 0, 0.0, values)
+        if NUM_SAMPLES > 1:  # earlier draws leave the block
+            drawn_before = (columns[:, :, None] == tokens[:, None, :]) & (slots[:, None, :] < k)
+            values = tl.where(tl.max(drawn_before.to(tl.int32), 2) > 0, 0.0, values)
         within = tl.cumsum(values, 1)
         block_total = _last(within, TILE)
         inner_target = tl.minimum(fraction * block_total, toward_zero(block_total))
@@ -195,10 +223,10 @@ def draw_stage(
         token = tl.where(is_genuine | (k == 0), token, previous)
         tokens = tl.where(slots == k, token[:, None], tokens)
         genuine = tl.where(slots == k, is_genuine[:, None], genuine)
-        # Remove the draw: its block's sum becomes the float64 sum of what is left in it.
-        left = tl.sum(tl.where(offsets == inner[:, None], 0.0, values), 1)
-        drawn_blocks = tl.where(slots == k, block[:, None], drawn_blocks)
-        lefts = tl.where(slots == k, left[:, None], lefts)
+        if NUM_SAMPLES > 1:  # its block's sum becomes the float64 sum of what is left in it
+            left = tl.sum(tl.where(offsets == inner[:, None], 0.0, values), 1)
+            drawn_blocks = tl.where(slots == k, block[:, None], drawn_blocks)
+            lefts = tl.where(slots == k, left[:, None], lefts)
         previous = token
     return tokens, genuine
 
@@ -209,7 +237,8 @@ def _inverse_cdf_kernel(
     seed_ptr, seed_stride, step_ptr, step_stride, stream_ptr, stream_stride, stream_value,
     ids_ptr, p_ptr, logp_ptr, valid_ptr,
     NUM_SAMPLES: tl.constexpr, N_PAD: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-    SUMS_TILE: tl.constexpr, HAS_STEP: tl.constexpr, STREAM_ROWS: tl.constexpr,
+    SUMS_TILE: tl.constexpr, ONE_SUMS_TILE: tl.constexpr, HAS_STEP: tl.constexpr,
+    STREAM_ROWS: tl.constexpr,
     SUM_F64: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -227,7 +256,7 @@ def _inverse_cdf_kernel(
     )  # fmt: skip
     tokens, genuine = draw_stage(
         probs_ptr, row_stride, col_stride, sums_ptr, sums_stride, rows, live, vocab,
-        c1, c2, c3, k0, k1, NUM_SAMPLES, N_PAD, ROWS, TILE, SUMS_TILE,
+        c1, c2, c3, k0, k1, NUM_SAMPLES, N_PAD, ROWS, TILE, SUMS_TILE, ONE_SUMS_TILE,
     )  # fmt: skip
     finish(
         probs_ptr, row_stride, col_stride, rows, live, tokens, genuine, total, clean,
@@ -242,7 +271,8 @@ def _draw_kernel(
     seed_ptr, seed_stride, step_ptr, step_stride, stream_ptr, stream_stride, stream_value,
     ids_ptr, p_ptr, logp_ptr, valid_ptr,
     NUM_SAMPLES: tl.constexpr, N_PAD: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-    SUMS_TILE: tl.constexpr, HAS_STEP: tl.constexpr, STREAM_ROWS: tl.constexpr,
+    SUMS_TILE: tl.constexpr, ONE_SUMS_TILE: tl.constexpr, HAS_STEP: tl.constexpr,
+    STREAM_ROWS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < batch
@@ -256,7 +286,7 @@ def _draw_kernel(
     )  # fmt: skip
     tokens, genuine = draw_stage(
         weights_ptr, row_stride, col_stride, sums_ptr, sums_stride, rows, live, vocab,
-        c1, c2, c3, k0, k1, NUM_SAMPLES, N_PAD, ROWS, TILE, SUMS_TILE,
+        c1, c2, c3, k0, k1, NUM_SAMPLES, N_PAD, ROWS, TILE, SUMS_TILE, ONE_SUMS_TILE,
     )  # fmt: skip
     finish(
         weights_ptr, row_stride, col_stride, rows, live, tokens, genuine, total, clean,
@@ -284,10 +314,13 @@ def _counter_args(seed: Tensor, step: Tensor | None, stream: Tensor | int) -> tu
 
 def _static_sizes(batch: int, vocab: int, num_samples: int) -> dict:
     tile = launch.tile_width(vocab)
-    sums_tile = min(max(16, triton.next_power_of_2(triton.cdiv(vocab, tile))), MAX_SUMS_TILE)
+    num_blocks = triton.cdiv(vocab, tile)
+    sums_tile = min(max(16, triton.next_power_of_2(num_blocks)), MAX_SUMS_TILE)
     return dict(
         NUM_SAMPLES=num_samples, N_PAD=triton.next_power_of_2(num_samples),
-        ROWS=launch.rows_per_program(batch, INTERPRETED, vocab), TILE=tile, SUMS_TILE=sums_tile,
+        ROWS=launch.rows_per_program(batch, INTERPRETED, vocab, num_samples), TILE=tile,
+        SUMS_TILE=sums_tile,
+        ONE_SUMS_TILE=num_blocks <= sums_tile,
     )  # fmt: skip
 
 

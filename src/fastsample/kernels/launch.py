@@ -24,7 +24,9 @@ from triton.runtime.jit import JITFunction
 
 from ..ops.inverse_cdf import BLOCK as SUM_BLOCK  # the torch path's block, shared (256)
 
-INTERPRETER_ELEMENTS = 1 << 16  # per (ROWS, TILE) tile: numpy-sized work per interpreted op
+INTERPRETER_ELEMENTS = 1 << 18  # per (ROWS, TILE) tile: numpy-sized work per interpreted op
+_MAX_NUMEL = 1 << 20  # Triton's largest tensor
+INTERPRETER_ROWS = 64  # rows per program when the caller gives no vocabulary size
 
 _total = 0
 
@@ -40,12 +42,20 @@ def launches() -> int:
     return _total
 
 
-def rows_per_program(batch: int, interpreted: bool, vocab: int = 1 << 16) -> int:
-    """``ROWS``: 1 on a GPU; in the interpreter a power-of-two tile of rows holding up to
-    :data:`INTERPRETER_ELEMENTS` entries of a ``(ROWS, tile_width(vocab))`` tile."""
+def rows_per_program(
+    batch: int, interpreted: bool, vocab: int | None = None, num_samples: int = 1
+) -> int:
+    """``ROWS``: 1 on a GPU. In the interpreter, a power-of-two tile of rows: with ``vocab``,
+    holding up to :data:`INTERPRETER_ELEMENTS` entries of a ``(ROWS, tile_width(vocab))`` tile
+    whose ``(ROWS, tile, num_samples)`` tiles (several draws) stay within Triton's tensor
+    limit; without it, up to :data:`INTERPRETER_ROWS` rows."""
     if not interpreted:
         return 1
-    most = max(1, INTERPRETER_ELEMENTS // tile_width(vocab))
+    most = INTERPRETER_ROWS
+    if vocab is not None:
+        tile = tile_width(vocab)
+        slots = triton.next_power_of_2(num_samples)
+        most = max(1, min(INTERPRETER_ELEMENTS // tile, _MAX_NUMEL // (tile * slots)))
     return min(triton.next_power_of_2(max(batch, 1)), most)
 
 
