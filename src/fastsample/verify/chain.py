@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels import backend
 from ..ops import validation as v
 from .acceptance import accept_drafts
 from .checks import (
@@ -25,7 +26,7 @@ from .checks import (
     value_flags,
 )
 from .draw import draw_residual, draw_target_without
-from .randomness import random_source, uniforms
+from .randomness import Seeds, random_source, uniforms
 
 
 class VerifyOutput(NamedTuple):
@@ -137,6 +138,12 @@ def verify_chain(
         _check_chain_values(p, x, q, lengths)
     # Verification is not differentiable: values only, once, after the checks.
     p, q = v.detached(p), None if q is None else v.detached(q)
+    if backend.use_triton(device.type):  # FASTSAMPLE_BACKEND (kernels/backend.py): one kernel
+        from ..kernels import verify_ops
+
+        seeds = tuple(source) if isinstance(source, Seeds) else None
+        u = None if seeds is not None else uniforms(source, batch, k)
+        return VerifyOutput(*verify_ops.chain(p, x, q, lengths, seeds, u))
     u_accept, u_recovery, u_bonus = uniforms(source, batch, k)
     return _verify_chain(p, x, q, lengths, u_accept, u_recovery, u_bonus)
 

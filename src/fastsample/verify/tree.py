@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels import backend
 from ..ops import validation as v
 from .acceptance import accept_child, accept_sibling, next_coefficient
 from .checks import (
@@ -39,7 +40,7 @@ from .draw import (
     weight_values,
     work_dtype,
 )
-from .randomness import random_source, uniforms
+from .randomness import Seeds, random_source, uniforms
 
 
 class TokenTree(NamedTuple):
@@ -319,6 +320,14 @@ def verify_tree(
         _check_tree_values(p, q, tokens, parents, sizes)
     # Verification is not differentiable: values only, once, after the checks.
     p, q = v.detached(p), None if q is None else v.detached(q)
+    if backend.use_triton(device.type):  # FASTSAMPLE_BACKEND (kernels/backend.py): one kernel
+        from ..kernels import verify_ops
+
+        seeds = tuple(source) if isinstance(source, Seeds) else None
+        u = None if seeds is not None else uniforms(source, batch, n - 1)
+        width = max(structure.width if structure is not None else n - 1, 1)
+        out = verify_ops.tree(p, q, tokens, parents, sizes, width, seeds, u)
+        return TreeVerifyOutput(*out)
     if structure is None:
         structure = _device_structure(parents.long(), batch)  # type: ignore[union-attr]
     u_accept, u_recovery, u_bonus = uniforms(source, batch, n - 1)

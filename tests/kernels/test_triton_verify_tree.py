@@ -1,0 +1,189 @@
+"""verify_tree on the Triton backend (interpreted on CPU): the emitted law of both modes on the
+toy model with negative controls, identical tokens to the torch path on random host and
+per-request trees, malformed trees and bad values as the torch path, and the launch budget (at
+most 6 per call in both modes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fastsample as fs
+from launch_budget import device_work
+from verify_helpers import (
+    INF,
+    NAN,
+    ToyModel,
+    assert_laws,
+    children_lists,
+    laws_rejected,
+    tree_trial,
+)
+
+V_TREE = 8
+TREE_BATCH = 50_000  # as the torch path's tests
+IRREGULAR = [-1, 0, 0, 0, 1, 1, 1, 1, 2, 4, 4, 8, 9, 11, 11, 11, 11]  # widths 3,4,1,2,1,4
+TOP4_CHAINS = [-1, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+
+_MODELS: dict[str, ToyModel] = {}
+
+
+def model(kind: str) -> ToyModel:
+    if kind not in _MODELS:
+        _MODELS[kind] = ToyModel(kind, V_TREE)
+    return _MODELS[kind]
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "triton")
+
+
+def on(backend: str, fn, *args, **kwargs):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FASTSAMPLE_BACKEND", backend)
+        return fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- exactness
+
+
+def test_tree_mode_a_law(triton_backend):
+    toy = model("mixed")
+    trial = tree_trial(toy, TREE_BATCH, IRREGULAR, seed=21, mode="a", children="topk")
+    assert_laws(toy, trial, "triton tree a irregular mixed topk")
+
+
+def test_tree_mode_b_law(triton_backend):
+    toy = model("mixed")
+    trial = tree_trial(toy, TREE_BATCH, IRREGULAR, seed=31, mode="b", children="sampled")
+    assert_laws(toy, trial, "triton tree b irregular mixed")
+
+
+def test_tree_control_mode_b_on_top_k_children_rejected(triton_backend):
+    """Negative control: mode b assumes children drawn without replacement; on the draft's
+    top-k children (a realistic misuse, mode a's case) the law is biased and the test sees it."""
+    toy = model("mixed")
+    trial = tree_trial(toy, TREE_BATCH // 2, TOP4_CHAINS, seed=31, mode="b", children="topk")
+    assert any(laws_rejected(toy, trial))
+
+
+# ---------------------------------------------------------------------------- same as torch
+
+
+def random_trees(batch, n, vocab, gen, dtype=torch.float32):
+    target = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 2, -1).to(dtype)
+    draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 2, -1).to(dtype)
+    # Distinct siblings (mode b's assumption), many of them likely under the target.
+    tokens = torch.stack(
+        [torch.randperm(max(vocab, n), generator=gen)[:n] % vocab for _ in range(batch)]
+    )
+    tokens[::2, 1] = target[::2, 0].float().argmax(-1)
+    return target, draft, tokens
+
+
+@pytest.mark.parametrize(
+    "vocab,dtype", [(24, torch.float32), (300, torch.float64), (40, torch.float16)]
+)
+def test_tree_tokens_identical_to_torch_path_host_tree(vocab, dtype):
+    gen = torch.Generator().manual_seed(vocab)
+    batch = 100
+    target, draft, tokens = random_trees(batch, len(IRREGULAR), vocab, gen, dtype)
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen)
+    rows = same_rows = 0
+    for q in (None, draft):
+        tree = fs.TokenTree(tokens, IRREGULAR)
+        ref = on("torch", fs.verify_tree, target, tree, q, seed=seeds, step=4)
+        out = on("triton", fs.verify_tree, target, tree, q, seed=seeds, step=4)
+        same = (out.token_ids == ref.token_ids).all(1) & (out.valid == ref.valid)
+        rows, same_rows = rows + batch, same_rows + int(same.sum())
+        assert ref.valid.float().mean() > 0.7  # b: a likely token may repeat a sibling
+    assert same_rows >= 0.999 * rows
+
+
+@pytest.mark.parametrize("mode", ["a", "b"])
+def test_tree_per_request_trees_malformed_and_bad_rows_as_torch_path(mode):
+    """Per-request tensor trees with num_nodes, malformed parents, a root that is not -1, bad
+    token ids, NaN/inf/negative probabilities and (mode b) repeated siblings: every output
+    equal to the torch path's."""
+    gen = torch.Generator().manual_seed(5)
+    batch, n, vocab = 64, 9, 20
+    target, draft, tokens = random_trees(batch, n, vocab, gen)
+    parents = (torch.rand(batch, n, generator=gen) * torch.arange(n)).long()
+    parents[:, 0] = -1
+    sizes = torch.randint(1, n + 1, (batch,), generator=gen)
+    parents[0, 3] = 3  # not listed before itself
+    parents[1, 5] = -1  # an orphan
+    parents[2, 0] = 0  # the root is not -1
+    tokens[3, 2] = vocab  # out of range
+    target[4] = NAN
+    target[5, :, 2] = INF
+    draft[6, 0] = -1.0
+    draft[7] = NAN
+    target[8] = 0.0
+    sizes[9] = 0  # out of range
+    sizes[10] = n + 1
+    parents[11, 1:4] = 0  # three children of the root with one token: repeated siblings
+    tokens[11, 1:4] = 7
+    q = draft if mode == "b" else None
+    for tree in (fs.TokenTree(tokens, parents, sizes), fs.TokenTree(tokens, parents)):
+        seeds = torch.arange(batch)
+        ref = on("torch", fs.verify_tree, target, tree, q, seed=seeds, step=1)
+        out = on("triton", fs.verify_tree, target, tree, q, seed=seeds, step=1)
+        for field in ref._fields:
+            assert torch.equal(getattr(out, field), getattr(ref, field)), field
+    assert not bool(ref.valid[:3].any()) and bool(ref.valid[12:].any())
+
+
+def test_tree_generator_path_matches_torch_path():
+    gen = torch.Generator().manual_seed(8)
+    target, draft, tokens = random_trees(100, len(TOP4_CHAINS), 16, gen)
+    tree = fs.TokenTree(tokens, TOP4_CHAINS)
+    for q in (None, draft):
+        ref = on("torch", fs.verify_tree, target, tree, q, generator=torch.manual_seed(3))
+        out = on("triton", fs.verify_tree, target, tree, q, generator=torch.manual_seed(3))
+        for field in ref._fields:
+            assert torch.equal(getattr(out, field), getattr(ref, field)), field
+
+
+def test_tree_of_width_one_is_the_chain(triton_backend):
+    """A chain-shaped tree in mode b verifies exactly as verify_chain (same streams)."""
+    gen = torch.Generator().manual_seed(2)
+    batch, k, vocab = 300, 4, 30
+    target = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen) * 2, -1)
+    draft = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 2, -1)
+    drafts = torch.multinomial(draft.view(-1, vocab), 1, generator=gen).view(batch, k)
+    seeds = torch.arange(batch)
+    chain = fs.verify_chain(target, drafts, draft, seed=seeds, step=6)
+    tree_tokens = torch.cat((torch.zeros(batch, 1, dtype=torch.int64), drafts), 1)
+    tree_draft = torch.cat((draft, torch.zeros(batch, 1, vocab)), 1)
+    tree = fs.TokenTree(tree_tokens, list(range(-1, k)))
+    out = fs.verify_tree(target, tree, tree_draft, seed=seeds, step=6)
+    assert torch.equal(out.num_accepted, chain.num_accepted)
+    assert torch.equal(out.token_ids[:, : k + 1], chain.token_ids)
+
+
+# ---------------------------------------------------------------------------- launch budget
+
+
+@pytest.mark.parametrize("mode", ["a", "b"])
+def test_tree_launch_budget(triton_backend, mode):
+    gen = torch.Generator().manual_seed(1)
+    target, draft, tokens = random_trees(4, len(IRREGULAR), 300, gen)
+    q = draft if mode == "b" else None
+    seeds, steps = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    tree = fs.TokenTree(tokens, IRREGULAR)
+    fs.verify_tree(target, tree, q, seed=seeds, step=steps)  # warm-up: the parents' device copy
+    total, ops, launches = device_work(
+        lambda: fs.verify_tree(target, tree, q, seed=seeds, step=steps)
+    )
+    assert launches == 1 and total <= 6, ops
+    per_request = fs.TokenTree(tokens, torch.tensor(IRREGULAR).expand(4, -1), 12)
+    total, ops, _ = device_work(lambda: fs.verify_tree(target, per_request, q, seed=seeds, step=0))
+    assert total <= 6, ops
+
+
+def test_tree_shapes_used_here():
+    assert max(len(kids) for kids in children_lists(IRREGULAR)) == 4
