@@ -43,7 +43,7 @@ from . import launch
 from .philox import INTERPRETED, uniform_at
 from .rowwise import finish, row_counters, stream_in_range, total_fits, toward_zero
 
-DRAW: tl.constexpr = int(Purpose.DRAW)  # the counter purpose of per-draw uniforms
+DRAW = tl.constexpr(int(Purpose.DRAW))  # the counter purpose of per-draw uniforms
 MAX_SUMS_TILE = 1024  # block sums scanned per step (all of them for V <= 262,144)
 
 

@@ -45,13 +45,13 @@ from ..ops.seeds import Purpose
 from . import launch
 
 # Round multipliers and Weyl key increments of Random123 (as in fastsample.ops.philox).
-PHILOX_M0: tl.constexpr = 0xD2511F53
-PHILOX_M1: tl.constexpr = 0xCD9E8D57
-PHILOX_W0: tl.constexpr = 0x9E3779B9
-PHILOX_W1: tl.constexpr = 0xBB67AE85
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
 # 2^-53 scales a 53-bit integer to [0, 1); 2^-54 is the midpoint of the cell [0, 2^-53).
-INV_2_53: tl.constexpr = 1.1102230246251565e-16
-HALF_GRID: tl.constexpr = 5.551115123125783e-17
+INV_2_53 = tl.constexpr(1.1102230246251565e-16)
+HALF_GRID = tl.constexpr(5.551115123125783e-17)
 
 
 @triton.jit

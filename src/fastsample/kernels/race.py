@@ -35,7 +35,7 @@ from . import launch
 from .philox import INTERPRETED, entry_uniforms, exponential_noise
 from .rowwise import finish, row_counters, stream_in_range, total_fits
 
-ENTRY: tl.constexpr = int(Purpose.ENTRY)  # the counter purpose of per-entry noise
+ENTRY = tl.constexpr(int(Purpose.ENTRY))  # the counter purpose of per-entry noise
 
 
 @triton.jit
