@@ -4,6 +4,8 @@ controls (processors, stopping, EOS, streamer, num_return_sequences, return type
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_models import first_two_law, left_pad, next_token_law, stub_model, tiny_llama
+from transformers.generation import GenerationMixin
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
@@ -126,12 +129,17 @@ def test_user_processors_run_before_fastsample_controls(law_model):
 
 
 def test_plugs_into_model_generate_as_custom_generate(law_model):
+    """Through model.generate(custom_generate=...): with seed= passed along where
+    transformers forwards a custom loop's own keywords (5.x), bound with functools.partial
+    everywhere (4.56 rejects keywords it does not know)."""
     ids, mask = left_pad([PROMPT, [8, 9]])
-    kwargs = dict(attention_mask=mask, do_sample=True, temperature=0.9, max_new_tokens=6,
-                  seed=[5, 6])
-    direct = fh.generate(law_model, ids, **kwargs)
-    plugged = law_model.generate(ids, custom_generate=fh.generate, **kwargs)
-    assert torch.equal(direct, plugged)
+    kwargs = dict(attention_mask=mask, do_sample=True, temperature=0.9, max_new_tokens=6)
+    direct = fh.generate(law_model, ids, seed=[5, 6], **kwargs)
+    bound = functools.partial(fh.generate, seed=[5, 6])
+    assert torch.equal(law_model.generate(ids, custom_generate=bound, **kwargs), direct)
+    if hasattr(GenerationMixin, "_extract_generation_mode_kwargs"):
+        plugged = law_model.generate(ids, custom_generate=fh.generate, seed=[5, 6], **kwargs)
+        assert torch.equal(plugged, direct)
 
 
 def test_num_return_sequences_copies_and_return_dict(law_model):

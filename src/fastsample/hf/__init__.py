@@ -20,9 +20,12 @@ plugs in there directly::
 
     model.generate(input_ids, custom_generate=fastsample.hf.generate, seed=[1, 2], ...)
 
-When transformers calls it that way it keeps ``assistant_model`` and ``streamer`` to itself
-(they never reach a custom loop): pass the draft as ``draft_model=`` instead, and call
-``fastsample.hf.generate`` directly to stream.
+When transformers calls it that way it keeps ``assistant_model`` to itself (it never reaches
+a custom loop): pass the draft as ``draft_model=`` instead. transformers 5.x forwards the
+loop's own keywords (``seed``, ``draft_model``, ``num_draft_tokens``) but keeps the
+``streamer`` (call ``fastsample.hf.generate`` directly to stream); 4.x rejects keywords it
+does not know, so bind them: ``custom_generate=functools.partial(fastsample.hf.generate,
+seed=[1, 2])``.
 
 Logits processors run before fastsample's controls, on the sequence each row has so far;
 speculative decoding calls them once per draft position and row length, so they must not
@@ -39,6 +42,8 @@ its own KV cache and per-row key mask), :mod:`.loop` (plain decoding),
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,8 +109,10 @@ def generate(
     if _prepared_by_transformers(generate_kwargs):  # called as custom_generate
         return _decode(model, input_ids, _Options(seed, draft, num_draft_tokens), **generate_kwargs)
     options = _Options(seed, draft, num_draft_tokens, generate_kwargs.pop("streamer", None))
+    # The options ride in a closure: transformers forwards no unknown keyword before 5.x.
     return model.generate(
-        input_ids, custom_generate=_run_prepared, fastsample_options=options, **generate_kwargs
+        input_ids, custom_generate=functools.partial(_run_prepared, options=options),
+        **generate_kwargs
     )
 
 
@@ -123,14 +130,15 @@ def _run_prepared(
     logits_processor: Any,
     stopping_criteria: Any,
     generation_config: Any,
-    fastsample_options: _Options | None = None,
+    *,
+    options: _Options,
     **model_kwargs: Any,
 ) -> Tensor | FastsampleGenerateOutput:
     """The callable ``generate`` hands to ``model.generate(custom_generate=...)``."""
     return _decode(
         model,
         input_ids,
-        fastsample_options or _Options(),
+        options,
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
         generation_config=generation_config,
@@ -146,9 +154,15 @@ def _decode(
     logits_processor: Any,
     stopping_criteria: Any,
     generation_config: Any,
+    streamer: Any = None,
+    synced_gpus: Any = None,
     **model_kwargs: Any,
 ) -> Tensor | FastsampleGenerateOutput:
-    """Run fastsample's loop on what transformers prepared."""
+    """Run fastsample's loop on what transformers prepared.
+
+    transformers 4.x hands a custom loop the ``streamer`` (after putting the prompt in it)
+    and ``synced_gpus``; 5.x keeps both."""
+    del synced_gpus  # one process: nothing to keep in step
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError("fastsample.hf decodes decoder-only models")
     mask = model_kwargs.pop("attention_mask", None)
@@ -161,6 +175,10 @@ def _decode(
     extra = sorted(key for key, value in model_kwargs.items() if value is not None)
     if extra:
         raise NotImplementedError(f"fastsample.hf does not pass model inputs {extra}")
+    if options.streamer is not None:  # ours: transformers never saw it, put the prompt
+        options.streamer.put(input_ids.cpu())
+    elif streamer is not None:  # transformers' (4.x): it has put the prompt already
+        options = dataclasses.replace(options, streamer=streamer)
     copies = int(generation_config.num_return_sequences or 1)
     device = input_ids.device
     seeds = prompt_seeds(options.seed, input_ids.shape[0] // copies, device)
@@ -176,8 +194,6 @@ def _decode(
         copy_index=copy_index,
         streamer=options.streamer,
     )
-    if options.streamer is not None:  # transformers puts the prompt only when it streams
-        options.streamer.put(input_ids.cpu())
     if options.draft_model is None:
         return plain_generate(model, job)
     return speculative_generate(model, options.draft_model, job, options.num_draft_tokens)
