@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fastsample as fs
+from ... import sampling as fs  # fast_sample, sample_from_probs, sample (not the package:
+# tools sit below fastsample/__init__ in the layers)
 
 _ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 
@@ -152,10 +153,15 @@ def count_all(
     Each call runs once uncounted first (first-call setup such as cached constants is not
     per-call work).
     """
+    from .launches_verify import distributed_calls, one_rank_group, verify_calls
+
     rows: list[tuple[str, str, Work]] = []
     for name in backends:
-        with backend(name):
-            for label, call in public_calls(batch, vocab, device):
+        with backend(name), one_rank_group() as grouped:
+            calls = public_calls(batch, vocab, device) + verify_calls(batch, vocab, device)
+            if grouped:
+                calls += distributed_calls(batch, vocab, device)
+            for label, call in calls:
                 call()
                 rows.append((label, name, device_work(call)))
     for label, call in baseline_calls(batch, vocab, device):
