@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ... import sampling as fs  # fast_sample, sample_from_probs, sample (not the package:
-# tools sit below fastsample/__init__ in the layers)
+# The samplers from their module, not the package: tools sit below fastsample/__init__.
+from ... import sampling as fs
 
 _ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 
@@ -42,6 +42,7 @@ class Work:
     aten: int
     kernels: int
     names: tuple[str, ...] = ()
+    error: str = ""  # the call raised: the table says so instead of a count
 
     @property
     def total(self) -> int:
@@ -161,13 +162,18 @@ def count_all(
             calls = public_calls(batch, vocab, device) + verify_calls(batch, vocab, device)
             if grouped:
                 calls += distributed_calls(batch, vocab, device)
-            for label, call in calls:
-                call()
-                rows.append((label, name, device_work(call)))
-    for label, call in baseline_calls(batch, vocab, device):
-        call()
-        rows.append((label, "-", device_work(call)))
+            rows += [(label, name, _counted(call)) for label, call in calls]
+    rows += [(label, "-", _counted(call)) for label, call in baseline_calls(batch, vocab, device)]
     return rows
+
+
+def _counted(call: Callable[[], object]) -> Work:
+    """:func:`device_work` after one uncounted call; a call that raises is reported, not fatal."""
+    try:
+        call()
+        return device_work(call)
+    except Exception as error:  # one broken call must not hide the others' counts
+        return Work(0, 0, error=f"{type(error).__name__}: {error}".splitlines()[0][:80])
 
 
 def available_backends() -> tuple[str, ...]:
@@ -180,7 +186,11 @@ def available_backends() -> tuple[str, ...]:
 def format_table(rows: list[tuple[str, str, Work]]) -> str:
     """A Markdown table: call, backend, aten ops, kernels, total."""
     lines = ["| call | backend | aten ops | kernels | total |", "|---|---|---:|---:|---:|"]
-    lines += [f"| `{c}` | {b} | {w.aten} | {w.kernels} | {w.total} |" for c, b, w in rows]
+    for call, name, work in rows:
+        if work.error:
+            lines.append(f"| `{call}` | {name} | failed: {work.error} | | |")
+        else:
+            lines.append(f"| `{call}` | {name} | {work.aten} | {work.kernels} | {work.total} |")
     return "\n".join(lines)
 
 
