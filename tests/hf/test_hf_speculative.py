@@ -130,3 +130,21 @@ def test_processors_see_each_rows_own_context(models, draft):
     expected = target.generate(ids, **kwargs)
     extra = dict(assistant_model=draft_model, num_draft_tokens=3) if draft else {}
     assert torch.equal(fh.generate(target, ids, **extra, **kwargs), expected)
+
+
+def test_another_architecture_gpt2():
+    """Nothing here is Llama-specific: a GPT-2 (learned absolute positions) decodes greedily
+    like model.generate, plain and with a truncated copy as the draft."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    target = GPT2LMHeadModel(config).eval()
+    draft = GPT2LMHeadModel(GPT2Config(**{**config.to_dict(), "n_layer": 1})).eval()
+    draft.load_state_dict(target.state_dict(), strict=False)
+    ids, mask = left_pad([[5, 6], [7, 8, 9, 10], [3, 1, 4]])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=10)
+    expected = target.generate(ids, **kwargs)
+    assert torch.equal(fh.generate(target, ids, **kwargs), expected)
+    assert torch.equal(fh.generate(target, ids, assistant_model=draft, **kwargs), expected)

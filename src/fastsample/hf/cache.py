@@ -43,6 +43,8 @@ class CachedModel:
         # transformers 5 renamed the forward argument past_key_values to cache.
         self.cache_argument = "cache" if "cache" in params else "past_key_values"
         self.keeps_logits = "logits_to_keep" in params
+        # Without position ids a model counts positions from the cache length (holes included).
+        self.takes_positions = "position_ids" in params
         self.cache = DynamicCache()
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
 
@@ -62,12 +64,13 @@ class CachedModel:
         """
         self.mask = torch.cat((self.mask, valid.to(torch.long)), dim=1)
         kwargs: dict[str, Any] = {self.cache_argument: self.cache}
+        if self.takes_positions:
+            kwargs["position_ids"] = positions
         if last_only and self.keeps_logits:
             kwargs["logits_to_keep"] = 1
         out = self.model(
             input_ids=tokens,
             attention_mask=self.mask,
-            position_ids=positions,
             use_cache=True,
             return_dict=True,
             **kwargs,

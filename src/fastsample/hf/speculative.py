@@ -124,6 +124,11 @@ def speculative_generate(
     rows = RowTokens(input_ids, job.pad_token, budget + k + 1)
     target = CachedModel(model, batch, device)
     draft = CachedModel(draft_model, batch, device)
+    if not (target.takes_positions and draft.takes_positions):
+        raise NotImplementedError(
+            "speculative decoding masks rejected drafts in the cache and needs models that "
+            "take position_ids (their positions must skip the masked entries)"
+        )
 
     positions = prompt_positions(mask)
     if length > 1:  # both models cache the prompt but its last token
