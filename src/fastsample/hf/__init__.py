@@ -32,8 +32,10 @@ speculative decoding calls them once per draft position and row length, so they 
 keep state from call to call (transformers' built-in ones do not).
 
 Not supported (raises): beam search, ``typical_p``/``epsilon_cutoff``/``eta_cutoff``,
-continuing from a filled cache, encoder-decoder models, extra model inputs. Streamers see
-tokens of batch size 1 only in speculative decoding (as transformers' streamers require).
+continuing from a filled cache, encoder-decoder models, extra model inputs; speculative
+decoding also needs models that take ``position_ids``. Speculative decoding returns no
+``scores``/``logits`` (its output has ``num_drafted`` and ``num_accepted`` per row instead),
+and streams tokens at batch size 1 only (as transformers' streamers require).
 
 Modules: :mod:`.config` (GenerationConfig to controls, seeds), :mod:`.cache` (a model with
 its own KV cache and per-row key mask), :mod:`.loop` (plain decoding),
