@@ -230,7 +230,8 @@ def sample_from_probs(
         ids, token_probs, logprobs, valid = backend.kernel_ops().sample_from_probs(
             probs, num_samples, method, source
         )
-        return _flag_rows(SampleOutput(ids, token_probs, valid, logprobs), stream_ok(source))
+        # The kernels apply the whole bad-row policy, out-of-range tensor streams included.
+        return SampleOutput(ids, token_probs, valid, logprobs)
     return _draw(probs, num_samples, method, source)
 
 
@@ -281,12 +282,8 @@ def fast_sample(
     source = _checked_source(probs, num_samples, generator, seed, step, stream, check)
     probs = v.detached(probs)  # sampling is not differentiable: values only
     if backend.use_triton(probs.device.type):  # FASTSAMPLE_BACKEND; kernels/backend.py
-        sample_p, token_ids = backend.kernel_ops().fast_sample(probs, num_samples, source)
-        ok = stream_ok(source)
-        if ok is None:
-            return sample_p, token_ids
-        token_ids = _flag_rows(SampleOutput(token_ids, sample_p, ok), ok).token_ids
-        return probs.gather(1, token_ids), token_ids
+        # The kernel applies the bad-row policy, out-of-range tensor streams included.
+        return backend.kernel_ops().fast_sample(probs, num_samples, source)
     token_ids = _draw(probs, num_samples, "race", source).token_ids
     return probs.gather(1, token_ids), token_ids
 

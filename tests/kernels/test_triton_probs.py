@@ -197,8 +197,13 @@ def test_edges(use_backend, method):
     again = fs.sample_from_probs(base, 2, method=method, generator=gen.manual_seed(9)).token_ids
     assert torch.equal(first, again)
     # An out-of-range tensor stream flags its row, as on the torch path.
-    out = fs.sample_from_probs(base, seed=1, stream=torch.tensor([0, 2**24, -1, 5]), method=method)
+    streams = torch.tensor([0, 2**24, -1, 5])
+    out = fs.sample_from_probs(base, 2, seed=1, stream=streams, method=method)
     assert out.valid.tolist() == [True, False, False, True]
+    assert out.token_ids[1:3].tolist() == [[0, 1], [0, 1]] and not out.probs[1:3].any()
+    sample_p, sample_index = fs.fast_sample(base, 2, seed=1, stream=streams)
+    assert sample_index[1:3].tolist() == [[0, 1], [0, 1]]
+    assert torch.equal(sample_p, base.gather(1, sample_index))
 
 
 def test_switch_and_argument_errors(use_backend, monkeypatch):
@@ -233,7 +238,10 @@ def test_launch_budget(use_backend):
         "sample_from_probs race": lambda: fs.sample_from_probs(probs, 2, method="race"),
         "sample_from_probs seed=int": lambda: fs.sample_from_probs(probs, seed=7),
         "sample_from_probs n=2 tensors": lambda: fs.sample_from_probs(
-            probs, 2, seed=seeds, step=steps
+            probs, 2, seed=seeds, step=steps, stream=seeds
+        ),
+        "fast_sample stream tensors": lambda: fs.fast_sample(
+            probs, seed=seeds, step=steps, stream=seeds
         ),
     }
     for name, call in calls.items():
