@@ -33,10 +33,10 @@ from . import launch
 from .philox import INTERPRETED, counter_words, row_key, uniform_at
 from .verify_draw import final_draw
 
-DRAW: tl.constexpr = int(Purpose.DRAW)
-ACCEPT: tl.constexpr = int(Stream.ACCEPT)
-RECOVERY: tl.constexpr = int(Stream.RECOVERY)
-BONUS: tl.constexpr = int(Stream.BONUS)
+DRAW = tl.constexpr(int(Purpose.DRAW))
+ACCEPT = tl.constexpr(int(Stream.ACCEPT))
+RECOVERY = tl.constexpr(int(Stream.RECOVERY))
+BONUS = tl.constexpr(int(Stream.BONUS))
 INTERPRETER_ELEMENTS = 1 << 20  # entries of the largest tile in the interpreter (its maximum)
 
 

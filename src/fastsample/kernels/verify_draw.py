@@ -36,7 +36,7 @@ import triton.language as tl
 from ..ops.inverse_cdf import BLOCK as _BLOCK
 from .rowwise import toward_zero
 
-BLOCK: tl.constexpr = _BLOCK  # 256, the torch path's block
+BLOCK = tl.constexpr(_BLOCK)  # 256, the torch path's block
 
 
 @triton.jit
