@@ -153,7 +153,7 @@ def test_law_of_the_draws_against_exact_probabilities():
     x[0, 20] = -math.inf
     args = dict(temperature=1.4, top_k=24, top_p=0.85, min_p=0.02)
     controls = check_controls(*args.values(), 1, vocab, x.device)
-    weights, sums, total, valid = controls_ops.processed(x, None, controls, None)
+    weights, sums, total, valid, _, _ = controls_ops.processed(x, None, controls, None)
     exact = reference_probs(x[0].double().numpy(), *args.values())
     assert np.array_equal(weights[0].numpy() > 0, exact > 0)
     ids, _, _, ok = draw_from_sums_op(
@@ -260,6 +260,18 @@ def test_greedy(backend):
     assert torch.equal(ours.top_logprobs, theirs.top_logprobs)
 
 
+def test_top_logprobs_order_ties_and_masks(backend):
+    """Largest first, ties by the lower index, masked entries last (also N = V)."""
+    x = torch.tensor([[1.0, 3.0, -math.inf, 3.0, 2.0, -math.inf], [0.0, 0.0, 5.0, 0.0, 0.0, 1.0]])
+    for data in ({"logits": x}, {"logits": x.double()}, {"probs": torch.softmax(x, -1)}):
+        for num_top in (3, 6):
+            kwargs = dict(temperature=0.9, top_k=torch.tensor([2, 4]), seed=2, top_logprobs=num_top)
+            theirs, ours = both(backend, fs.sample, **data, **kwargs)
+            assert torch.equal(ours.top_token_ids, theirs.top_token_ids)
+            torch.testing.assert_close(ours.top_logprobs, theirs.top_logprobs, rtol=1e-6, atol=0)
+    assert ours.top_token_ids[0].tolist() == [1, 3, 4, 0, 2, 5]
+
+
 def test_rows_read_in_several_tiles_agree(monkeypatch, backend):
     """The GPU layout (tiles of 512, here 256) gives the interpreter's one-tile answer."""
     backend("triton")
@@ -351,13 +363,14 @@ _COMPILE = textwrap.dedent("""
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
-    pointers = dict(t_ptr="*fp32", k_ptr="*i64", p_ptr="*fp32", m_ptr="*fp32", stream_ptr="*i64")
+    pointers = dict(t_ptr="*fp32", k_ptr="*i64", p_ptr="*fp32", m_ptr="*fp32", stream_ptr="*i64",
+                    top_ids_ptr="*i64", top_logp_ptr="*fp32")
     build(kc._controls_kernel, dict(
         src_ptr="*bf16", src_stride="i32", n="i32", weights_ptr="*fp32", sums_ptr="*fp64",
         num_blocks="i32", total_ptr="*fp64", valid_ptr="*i1", t_bits="i64", k_value="i32",
         p_bits="i64", m_bits="i64", **pointers,
     ), dict(
-        IS_LOGITS=True, IS_F64=False, NORMALIZE=True, T_MODE=2, DIVIDE=True, K_MODE=2,
+        NUM_TOP=3, IS_LOGITS=True, IS_F64=False, NORMALIZE=True, T_MODE=2, DIVIDE=True, K_MODE=2,
         P_MODE=1, M_MODE=2, CUT=1, GREEDY=True, STREAM_ROWS=True, TILE=512, BLOCK=256,
         PRECISE=True,
     ))

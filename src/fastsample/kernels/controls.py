@@ -147,7 +147,8 @@ def stream_in_range(stream_ptr, row, STREAM_ROWS: tl.constexpr):
 def _controls_kernel(
     src_ptr, src_stride, n, weights_ptr, sums_ptr, num_blocks, total_ptr, valid_ptr,
     t_ptr, t_bits, k_ptr, k_value, p_ptr, p_bits, m_ptr, m_bits, stream_ptr,
-    IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr, NORMALIZE: tl.constexpr,
+    top_ids_ptr, top_logp_ptr, NUM_TOP: tl.constexpr, IS_LOGITS: tl.constexpr,
+    IS_F64: tl.constexpr, NORMALIZE: tl.constexpr,
     T_MODE: tl.constexpr, DIVIDE: tl.constexpr, K_MODE: tl.constexpr, P_MODE: tl.constexpr,
     M_MODE: tl.constexpr, CUT: tl.constexpr, GREEDY: tl.constexpr, STREAM_ROWS: tl.constexpr,
     TILE: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
@@ -266,6 +267,44 @@ def _controls_kernel(
         valid = valid & ((plain < FITS_BELOW) | greedy)
     tl.store(total_ptr + row, total)
     tl.store(valid_ptr + row, valid)
+    if NUM_TOP > 0:
+        tl.debug_barrier()  # single kept weights are read back, in another layout
+        _store_top(src, out, n, valid, total, top_ids_ptr + row * NUM_TOP,
+                   top_logp_ptr + row * NUM_TOP, NUM_TOP, IS_F64, TILE, PRECISE)  # fmt: skip
+
+
+@triton.jit
+def _store_top(src, out, n, valid, total, ids_row, logp_row, NUM_TOP: tl.constexpr,
+               IS_F64: tl.constexpr, TILE: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
+    """``top_logprobs``: the ``NUM_TOP`` largest inputs, largest first, ties by the lower index
+    (as :func:`fastsample.ops.select.top_entries`), one pass each: the next one is the
+    largest entry after the previous one in that order. Their log-probabilities are
+    ``log w - log total`` in float64 from the kept weights (``-inf`` outside the kept set and
+    on invalid rows)."""
+    FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32
+    lanes = tl.arange(0, TILE)
+    previous = tl.full((), float("inf"), FLOAT)
+    previous_id = tl.full((), -1, tl.int32)
+    log_total = _log(tl.where(total > 0, total, 1.0), PRECISE)
+    for j in range(NUM_TOP):
+        best = tl.full((), float("-inf"), FLOAT)
+        best_id = tl.full((), 0, tl.int32) + n  # n: none found yet
+        for start in range(0, n, TILE):
+            offs = start + lanes
+            x = tl.load(src + offs, mask=offs < n, other=float("-inf")).to(FLOAT)
+            after = (x < previous) | ((x == previous) & (offs > previous_id))
+            eligible = (offs < n) & after  # NaN is never eligible
+            top = max_of(tl.where(eligible, x, float("-inf")), 0)
+            first = min_of(tl.where(eligible & (x == top), offs, n), 0)
+            take = (top > best) | ((top == best) & (first < best_id))
+            best_id = tl.where(take, first, best_id)
+            best = tl.where(take, top, best)
+        previous, previous_id = best, best_id
+        token = tl.minimum(best_id, n - 1)
+        w = tl.load(out + token).to(tl.float64)
+        logp = _log(tl.where(w > 0, w, 1.0), PRECISE) - log_total
+        tl.store(ids_row + j, token.to(tl.int64))
+        tl.store(logp_row + j, tl.where(valid & (w > 0), logp, float("-inf")))
 
 
 @triton.jit
@@ -313,12 +352,20 @@ def outputs(source: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     )
 
 
+def top_outputs(source: Tensor, num_top: int) -> tuple[Tensor, Tensor]:
+    """Empty ``(top_ids, top_logprobs)``, ``(B, num_top)``, for ``source``."""
+    dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
+    shape = (source.shape[0], num_top)
+    return source.new_empty(shape, dtype=torch.int64), source.new_empty(shape, dtype=dtype)
+
+
 def processed_weights(
     logits: Tensor | None,
     probs: Tensor | None,
     controls: Controls,
     stream: Tensor | None = None,
-) -> Processed:
+    num_top: int = 0,
+) -> tuple[Processed, Tensor, Tensor]:
     """:func:`fastsample.controls.processed_weights` in one launch, as a sampler needs it.
 
     Differences from the torch function, all on the sampler's side of the contract: greedy
@@ -330,6 +377,9 @@ def processed_weights(
     Arguments are already checked (exactly one of ``logits``/``probs``; ``controls`` from
     :func:`fastsample.ops.validation.check_controls`). No host sync; no tensor op but the
     launch and its empty outputs.
+
+    Also returns ``top_logprobs``' ``(B, num_top)`` token ids (int64) and log-probabilities
+    (the weights' dtype), as :func:`fastsample.sampling._with_top_logprobs` computes them.
     """
     source = logits if logits is not None else probs
     assert source is not None
@@ -337,8 +387,9 @@ def processed_weights(
         source = source.contiguous()
     batch, vocab = source.shape
     weights, sums, total, valid = outputs(source)
+    top_ids, top_logp = top_outputs(source, num_top)
     if batch == 0:
-        return Processed(weights, sums, total, valid, None, None, None)
+        return Processed(weights, sums, total, valid, None, None, None), top_ids, top_logp
     t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
     t_mode = ZERO if controls.all_greedy else _mode(t)
     is_logits = logits is not None
@@ -364,7 +415,7 @@ def processed_weights(
         k if isinstance(k, Tensor) else dummy, k if isinstance(k, int) else 0,
         p if isinstance(p, Tensor) else dummy, _bits(p if isinstance(p, float) else 1.0),
         m if isinstance(m, Tensor) else dummy, min_p_bits,
-        stream if stream is not None else dummy,
+        stream if stream is not None else dummy, top_ids, top_logp, NUM_TOP=num_top,
         IS_LOGITS=is_logits, IS_F64=dtype == torch.float64, NORMALIZE=normalize,
         T_MODE=t_mode, DIVIDE=t_mode in (NUMBER, TENSOR), K_MODE=_mode(k), P_MODE=_mode(p),
         M_MODE=_mode(m), CUT=cut, GREEDY=t_mode in (TENSOR, ZERO),
@@ -372,4 +423,4 @@ def processed_weights(
         TILE=max(tile_for(vocab, INTERPRETED), BLOCK), BLOCK=BLOCK,
         PRECISE=not INTERPRETED and libdevice is not None,
     )  # fmt: skip
-    return Processed(weights, sums, total, valid, None, None, None)
+    return Processed(weights, sums, total, valid, None, None, None), top_ids, top_logp

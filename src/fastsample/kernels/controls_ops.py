@@ -17,7 +17,7 @@ total. An all-greedy single draw (a Python ``temperature=0``) is one launch of :
 Launches per ``sample`` call: 2 (controls, draw), plus one ``randint`` (a per-row Philox key
 drawn from the generator) when unseeded; an all-greedy call is 1. Python ``seed``/``step``
 ints become ``(B,)`` tensors in the shared argument checks (one ``full`` each), as on the torch
-path. ``top_logprobs`` adds the torch path's candidate-block ops over the kernel's weights.
+path. ``top_logprobs=N`` is N more passes inside the controls kernel (no extra launch).
 
 Operators. ``fastsample::controls`` and ``fastsample::greedy`` are ``torch.library``
 operators, so ``torch.compile(fullgraph=True)`` traces through them: ``triton_op`` when the
@@ -71,7 +71,8 @@ def _controls_launcher(
     min_p: Tensor | None,
     min_p_value: float,
     stream: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    num_top: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     controls = Controls(
         temperature if temperature is not None else _off(temperature_value, 1.0),
         top_k if top_k is not None else (top_k_value or None),
@@ -79,8 +80,8 @@ def _controls_launcher(
         min_p if min_p is not None else _off(min_p_value, 0.0),
     )
     logits, probs = (source, None) if is_logits else (None, source)
-    got = _controls.processed_weights(logits, probs, controls, stream)
-    return got.weights, got.sums, got.total, got.valid
+    got, top_ids, top_logp = _controls.processed_weights(logits, probs, controls, stream, num_top)
+    return got.weights, got.sums, got.total, got.valid, top_ids, top_logp
 
 
 def _off(value: float, off: float) -> float | None:
@@ -88,7 +89,7 @@ def _off(value: float, off: float) -> float | None:
 
 
 def _controls_fake(source, is_logits, *controls_and_stream):
-    return _controls.outputs(source)
+    return _controls.outputs(source) + _controls.top_outputs(source, controls_and_stream[-1])
 
 
 def _greedy_launcher(
@@ -119,9 +120,14 @@ def _tensor_stream(source: UniformSource) -> Tensor | None:
 
 
 def processed(
-    logits: Tensor | None, probs: Tensor | None, controls: Controls, stream: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(weights, sums, total, valid)`` of :func:`.controls.processed_weights`, as an op."""
+    logits: Tensor | None,
+    probs: Tensor | None,
+    controls: Controls,
+    stream: Tensor | None,
+    num_top: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(weights, sums, total, valid, top_ids, top_logprobs)`` of
+    :func:`.controls.processed_weights`, as an op."""
     source = logits if logits is not None else probs
     assert source is not None
     t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
@@ -137,6 +143,7 @@ def processed(
         m if isinstance(m, Tensor) else None,
         _number(m, 0.0),
         stream,
+        num_top,
     )
 
 
@@ -149,7 +156,7 @@ def sample(
     num_top: int,
 ):
     """:func:`fastsample.sample` on the Triton backend (a call that :func:`serves` takes)."""
-    from ..sampling import SampleOutput, _with_top_logprobs  # loaded: it is our caller
+    from ..sampling import SampleOutput  # loaded: it is our caller
 
     data = logits if logits is not None else probs
     assert data is not None
@@ -157,7 +164,9 @@ def sample(
     if controls.all_greedy and num_top == 0:
         ids, p_out, logp_out, valid = greedy_op(data, logits is not None, stream)
         return SampleOutput(ids, p_out, valid, logp_out)
-    weights, sums, total, clean = processed(logits, probs, controls, stream)
+    weights, sums, total, clean, top_ids, top_logp = processed(
+        logits, probs, controls, stream, num_top
+    )
     batch = data.shape[0]
     if controls.all_greedy:
         # Point masses draw the same token whatever the uniform: no generator state used.
@@ -168,16 +177,13 @@ def sample(
     ids, p_out, logp_out, valid = draw_from_sums_op(
         weights, sums, total, clean, num_samples, seed, step, stream_rows, stream_value
     )
-    out = SampleOutput(ids, p_out, valid, logp_out)
     if num_top:
-        out = _with_top_logprobs(
-            out, data, num_top, None, lambda columns: weights.gather(1, columns), total, clean
-        )
-    return out
+        return SampleOutput(ids, p_out, valid, logp_out, top_ids, top_logp)
+    return SampleOutput(ids, p_out, valid, logp_out)
 
 
 def process(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Tensor:
     """:func:`fastsample.process` on the Triton backend: kept weights over their total."""
-    weights, _, total, valid = processed(logits, probs, controls, None)
+    weights, _, total, valid, _, _ = processed(logits, probs, controls, None)
     out = weights / total.to(weights.dtype)[:, None]
     return torch.where(valid[:, None], out, 0.0)
