@@ -56,3 +56,39 @@ def test_hf_pipeline_samples_the_documented_law():
     counts = np.bincount(ids[:, 0].numpy(), minlength=12)
     want = reference_probs(logits[0].numpy(), 0.7, 8, 0.6)
     assert_law(counts, want, what="hf pipeline")
+
+
+def test_peer_samplers_sample_their_published_law():
+    """vLLM's sampler keeps the reference's set (top-k, then top-p on the survivors); SGLang's
+    takes top-p on the full distribution, which is the reference's law without a top-k."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 12, generator=gen) * 2
+    cases = (
+        (bench_controls.vllm_sample, {"temperature": 0.7, "top_k": 8, "top_p": 0.6}, (8, 0.6)),
+        (bench_controls.vllm_sample, {"top_k": 5}, (5, 1.0)),
+        (bench_controls.vllm_sample, {"min_p": 0.1}, None),
+        (bench_controls.sglang_sample, {"temperature": 1.3, "top_p": 0.7}, (0, 0.7)),
+        (bench_controls.sglang_sample, {"top_k": 4, "min_p": 0.2}, None),
+    )
+    torch.manual_seed(1)
+    for sampler, controls, cuts in cases:
+        ids = torch.cat([sampler(logits.expand(4000, -1), controls) for _ in range(5)])
+        counts = np.bincount(ids.long().numpy(), minlength=12)
+        t = controls.get("temperature", 1.0)
+        if cuts is None:  # min-p (after top-k): keep p >= min_p * max p of the survivors
+            want = reference_probs(logits[0].double().numpy(), t, controls.get("top_k", 0))
+            want = np.where(want >= controls["min_p"] * want.max(), want, 0.0)
+            want /= want.sum()
+        else:
+            want = reference_probs(logits[0].double().numpy(), t, *cuts)
+        assert_law(counts, want, what=f"{sampler.__name__} {controls}")
+
+
+def test_busy_loops_run_beside_the_block_and_stop_after_it():
+    from fastsample.tools.bench.busy import busy_loops
+
+    with busy_loops(2, limit_s=30) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.poll() is not None for p in procs)
+    with busy_loops(1, limit_s=0.01) as procs:  # bounded by itself as well
+        procs[0].wait(timeout=10)

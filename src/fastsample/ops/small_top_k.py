@@ -66,6 +66,7 @@ from .select import (
     first_argmax,
     order_key,
 )
+from .threads import one_thread, pass_threads
 from .validation import Controls
 from .weights import controls_in_range, logit_weights_
 
@@ -153,13 +154,23 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     ``greedy_ids`` tell the rows to replace by their first maximal index (drawn at ``T = 1``
     here, like the general path draws them).
     """
+    # One pass over the logits (torch's threads if it is large), then a chain of small ops
+    # on one thread: a busy machine stalls parallel regions (see fastsample.ops.threads).
+    with pass_threads(logits.device, logits.numel()):
+        maxima = block_maxima(logits)
+    with one_thread(logits.device):
+        return _draw_from_maxima(logits, maxima, controls, num_samples, source)
+
+
+def _draw_from_maxima(
+    logits: Tensor, maxima: Tensor, controls: Controls, num_samples: int, source: UniformSource
+) -> Drawn:
     batch, vocab = logits.shape
     width = vocab + vocab % 2  # the general path's even-width weight buffer
     temperature = controls.temperature
     count = candidate_count(controls, vocab)
     assert count is not None
 
-    maxima = block_maxima(logits)
     best = maxima.amax(-1).to(torch.float32)
     finite = (best > -math.inf) & (best < math.inf)
     shift = torch.where(finite, best, 0.0)

@@ -116,8 +116,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--controls",
         action="store_true",
         help="benchmark fastsample.sample's controls (temperature, top-k, top-p, min-p, "
-        "greedy) on float32 logits against an HF-style pipeline, at the first --batch and "
-        "--vocab (default 64 x 128256)",
+        "greedy) on float32 logits against an HF-style pipeline and vLLM's and SGLang's torch "
+        "samplers, at every --batch and the first --vocab (default 64 x 128256)",
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        metavar="N",
+        default=0,
+        help="with --controls: time every setting again beside N busy-loop processes "
+        "(bounded, stopped at the end) and report each row's slowdown under that load",
+    )
+    parser.add_argument(
+        "--setting",
+        nargs="+",
+        metavar="GLOB",
+        help="with --controls: only these settings (fnmatch globs, e.g. 'k=50' 'T=*')",
     )
     parser.add_argument(
         "--distributed",

@@ -10,12 +10,19 @@ tensors) the same call is timed, round-robin in one process, for:
   softmax), then ``softmax`` and ``torch.multinomial``; greedy is ``argmax``;
 * ``hf.transformers``: the same with the warpers of an installed ``transformers``
   (optional extra ``fastsample[peers]``; the row is skipped without it);
+* ``vllm``, ``sglang``: the engines' own pure-PyTorch samplers (sort, cumsum, mask; vLLM's
+  exponential race, SGLang's ``torch.multinomial``), written from their published code in
+  :mod:`.peers` (no package needed), with per-row tensors as the engines pass them;
 * ``fs``: :func:`fastsample.sample` with the same controls as Python scalars;
 * ``fs.tensor``: the same controls as ``(B,)`` tensors (every stage runs for every row:
   what an engine with mixed requests pays).
 
-Reported: the median of each, the speed-up of ``fs`` over ``hf`` and the multiple of one
-read pass over the logits (``logits.sum(-1)``). Timing as in the main benchmark
+Reported: the median of each, the speed-ups of ``fs`` and ``fs.tensor`` over ``hf``, ``vllm``
+and ``sglang``, and the multiple of one read pass over the logits (``logits.sum(-1)``). Every
+``--batch`` given is run in turn (default 64). With ``--busy N`` each setting is timed twice,
+quiet and then beside ``N`` busy-loop processes (:mod:`.busy`; bounded, stopped at the end):
+the ``busy ms`` column and the ``slowdown`` (busy / quiet) of every row show how a sampler
+fares on a shared machine. Timing as in the main benchmark
 (:func:`.harness.time_interleaved`), with every timed call right after untimed
 calls of the same contender (:data:`WARM_S`): each is timed in its own steady state, as a
 sampler called step after step, whichever contender ran before it (``hf`` and
@@ -31,13 +38,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from typing import TextIO
 
 import torch
 from torch import Tensor
 
 from ...sampling import sample
+from .busy import busy_loops
 from .harness import LOGIT_SCALE, Call, Timing, pick_device, time_interleaved, timing_from_args
+from .peers import sglang_sample, vllm_sample
 from .report import machine_info, save_json
 
 WARM_S = 0.005
@@ -134,10 +144,26 @@ class Row:
     median_ms: float | None
     speedup_vs_hf: float | None = None
     read_passes: float | None = None
+    speedup_vs_vllm: float | None = None
+    speedup_vs_sglang: float | None = None
+    busy_ms: float | None = None  # the median beside --busy N busy loops
+    slowdown: float | None = None  # busy_ms / median_ms
+    batch: int | None = None
 
 
-def run_setting(name: str, logits: Tensor, timing: Timing, peers: bool = True) -> list[Row]:
-    """Time every contender for one setting, interleaved; rows in display order."""
+PEERS = {"hf": "speedup_vs_hf", "vllm": "speedup_vs_vllm", "sglang": "speedup_vs_sglang"}
+"""The sort-based pipelines every fastsample row is compared with, and its field for each."""
+
+
+ALWAYS = ("read_pass", *PEERS)
+"""Contenders that run whatever ``--contender`` says: the ratios need them."""
+
+
+def setting_calls(
+    name: str, logits: Tensor, peers: bool = True, only: list[str] | None = None
+) -> dict[str, Call]:
+    """The contenders of one setting, in display order (``only``: fnmatch globs of the
+    optional ones to keep)."""
     controls = SETTINGS[name]
     batch = logits.shape[0]
     calls: dict[str, Call] = {
@@ -147,22 +173,49 @@ def run_setting(name: str, logits: Tensor, timing: Timing, peers: bool = True) -
     transformers_call = transformers_pipeline(controls) if peers else None
     if transformers_call is not None:
         calls["hf.transformers"] = lambda: transformers_call(logits)
+    calls["vllm"] = lambda: vllm_sample(logits, controls)
+    calls["sglang"] = lambda: sglang_sample(logits, controls)
     as_tensors = tensor_controls(controls, batch, logits.device)
     calls["fs"] = lambda: sample(logits, **controls)  # type: ignore[arg-type]
     calls["fs.tensor"] = lambda: sample(logits, **as_tensors)
-    medians = {
-        contender: statistics.median(times) * 1e3
-        for contender, times in time_interleaved(
-            calls, logits.device, timing, warm_s=WARM_S
-        ).items()
-    }
+    if only:
+        keep = [c for c in calls if c in ALWAYS or any(fnmatch(c, g) for g in only)]
+        calls = {c: calls[c] for c in keep}
+    return calls
+
+
+def _medians(calls: dict[str, Call], device: torch.device, timing: Timing) -> dict[str, float]:
+    times = time_interleaved(calls, device, timing, warm_s=WARM_S)
+    return {contender: statistics.median(seconds) * 1e3 for contender, seconds in times.items()}
+
+
+def run_setting(
+    name: str,
+    logits: Tensor,
+    timing: Timing,
+    peers: bool = True,
+    busy: int = 0,
+    only: list[str] | None = None,
+) -> list[Row]:
+    """Time every contender for one setting, interleaved (then again beside ``busy``
+    busy-loop processes if ``busy``); rows in display order."""
+    calls = setting_calls(name, logits, peers, only)
+    quiet = _medians(calls, logits.device, timing)
+    loaded = None
+    if busy:
+        with busy_loops(busy):
+            loaded = _medians(calls, logits.device, timing)
     rows = []
-    for contender, median in medians.items():
-        row = Row(name, contender, median)
+    for contender, median in quiet.items():
+        row = Row(name, contender, median, batch=logits.shape[0])
         if contender != "read_pass":
-            row.read_passes = median / medians["read_pass"]
+            row.read_passes = median / quiet["read_pass"]
         if contender.startswith("fs"):
-            row.speedup_vs_hf = medians["hf"] / median
+            for peer, field in PEERS.items():
+                setattr(row, field, quiet[peer] / median)
+        if loaded is not None:
+            row.busy_ms = loaded[contender]
+            row.slowdown = row.busy_ms / median
         rows.append(row)
     return rows
 
@@ -173,45 +226,73 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return f"{x:.3g}{unit}" if x < 100 else f"{x:.0f}{unit}"
 
 
+HEADER = ("setting", "contender", "median ms", "vs hf", "vs vllm", "vs sglang", "read passes")
+BUSY_HEADER = ("busy ms", "slowdown")
+
+
+def _line(cells: tuple[str, ...]) -> str:
+    widths = (18, 16, 10, 8, 8, 9, 11, 10, 9)[: len(cells)]
+    return "  ".join(
+        f"{c:<{w}}" if i < 2 else f"{c:>{w}}"
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    ).rstrip()
+
+
 def print_rows(rows: list[Row], out: TextIO) -> None:
     for r in rows:
         cells = (
-            f"{r.setting:<18}",
-            f"{r.contender:<16}",
-            f"{_fmt(r.median_ms):>10}",
-            f"{_fmt(r.speedup_vs_hf, 'x'):>9}",
-            f"{_fmt(r.read_passes, 'x'):>11}",
+            r.setting,
+            r.contender,
+            _fmt(r.median_ms),
+            _fmt(r.speedup_vs_hf, "x"),
+            _fmt(r.speedup_vs_vllm, "x"),
+            _fmt(r.speedup_vs_sglang, "x"),
+            _fmt(r.read_passes, "x"),
         )
-        print("  ".join(cells).rstrip(), file=out)
+        if r.busy_ms is not None:
+            cells += (_fmt(r.busy_ms), _fmt(r.slowdown, "x"))
+        print(_line(cells), file=out)
     print(file=out, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m fastsample bench --controls``."""
     device = pick_device(args.device)
-    batch = (args.batch or [64])[0]
+    batches = args.batch or [64]
     vocab = (args.vocab or [128256])[0]
+    busy = getattr(args, "busy", None) or 0
+    if busy < 0:
+        raise SystemExit("--busy must be >= 0")
+    globs = getattr(args, "setting", None)
+    settings = [n for n in SETTINGS if not globs or any(fnmatch(n, g) for g in globs)]
+    if not settings:
+        raise SystemExit(f"--setting {' '.join(globs or [])} matches none of {list(SETTINGS)}")
     timing = timing_from_args(args)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    logits = torch.randn(batch, vocab, generator=gen, device=device) * LOGIT_SCALE
     info = machine_info(device)
+    load = f"; each setting also beside {busy} busy-loop processes" if busy else ""
     print(
         f"fastsample bench --controls: torch {info['torch']}, {info['device_name']} ({device}), "
-        f"{info['torch_threads']} threads; float32 logits B={batch} V={vocab}\n"
+        f"{info['torch_threads']} threads; float32 logits V={vocab}{load}\n"
     )
-    header = ("setting", "contender", "median ms", "vs hf", "read passes")
-    print(f"{header[0]:<18}  {header[1]:<16}  {header[2]:>10}  {header[3]:>9}  {header[4]:>11}")
     rows: list[Row] = []
     start = time.perf_counter()
-    for name in SETTINGS:
-        setting_rows = run_setting(name, logits, timing)
-        print_rows(setting_rows, sys.stdout)
-        rows.extend(setting_rows)
+    for batch in batches:
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        logits = torch.randn(batch, vocab, generator=gen, device=device) * LOGIT_SCALE
+        print(f"B={batch} V={vocab}")
+        print(_line(HEADER + (BUSY_HEADER if busy else ())))
+        for name in settings:
+            setting_rows = run_setting(name, logits, timing, busy=busy, only=args.contender)
+            print_rows(setting_rows, sys.stdout)
+            rows.extend(setting_rows)
     print(
-        f"done in {time.perf_counter() - start:.1f} s. vs hf: the HF-style pipeline's time / "
-        "this time; read passes: this time / one logits.sum(-1)"
+        f"done in {time.perf_counter() - start:.1f} s. vs hf/vllm/sglang: that pipeline's time "
+        "/ this time; read passes: this time / one logits.sum(-1)"
+        + ("; slowdown: busy ms / median ms" if busy else "")
     )
     if args.json:
-        save_json(args.json, rows, info, {"batch": batch, "vocab": vocab, "controls": SETTINGS})
+        config = {"batch": batches, "vocab": vocab, "busy": busy}
+        config["controls"] = {n: SETTINGS[n] for n in settings}
+        save_json(args.json, rows, info, config)
         print(f"saved {args.json}")
     return 0
