@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
     CASES = [
         (race._race_kernel, dict(DRAWS, FAST=False, LOG1P=True, SUM_F64=False)),
         (inverse_cdf._inverse_cdf_kernel,
-         dict(DRAWS, SUMS_TILE=1024, ONE_SUMS_TILE=False, SUM_F64=False)),
+         dict(DRAWS, SUMS_TILE=1024, ONE_SUMS_TILE=False, SUM_F64=False, STEP_BLOCKS=4)),
         (inverse_cdf._draw_kernel, dict(DRAWS, SUMS_TILE=512, ONE_SUMS_TILE=True)),
         (philox._counter_uniforms_kernel,
          dict(PURPOSE=1, NOISE=True, LOG1P=True, ROWS=1, WIDTH=256)),

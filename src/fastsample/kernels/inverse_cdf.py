@@ -45,6 +45,7 @@ from .rowwise import finish, row_counters, stream_in_range, total_fits, toward_z
 
 DRAW = tl.constexpr(int(Purpose.DRAW))  # the counter purpose of per-draw uniforms
 MAX_SUMS_TILE = 1024  # block sums scanned per step (all of them for V <= 262,144)
+STEP_BLOCKS = 4  # blocks read per step of the block-sums pass (4 KiB of float32 per program)
 
 
 @triton.jit
@@ -60,25 +61,32 @@ def block_sums_stage(
     ROWS: tl.constexpr,
     TILE: tl.constexpr,
     SUM_F64: tl.constexpr,
+    STEP_BLOCKS: tl.constexpr = 1,
 ):
     """Store each row's float64 block sums to ``sums``; return ``(total, clean)``, ``(ROWS,)``.
 
     ``clean``: no NaN, no negative weight, ``0 < total``, no overflow (the torch path's test).
+    Each step reads ``STEP_BLOCKS`` blocks of ``TILE`` entries as one ``(ROWS, STEP_BLOCKS,
+    TILE)`` tile: more bytes in flight per program on a GPU, fewer steps in the interpreter.
     """
-    row_base = probs_ptr + rows[:, None].to(tl.int64) * row_stride
-    offsets = tl.arange(0, TILE)[None, :].to(tl.int64)
+    num_blocks = tl.cdiv(vocab, TILE)
+    row_base = probs_ptr + rows[:, None, None].to(tl.int64) * row_stride
+    step = tl.arange(0, STEP_BLOCKS)[None, :]
+    offsets = (step[:, :, None] * TILE + tl.arange(0, TILE)[None, None, :]).to(tl.int64)
+    sums_row = sums_ptr + rows[:, None].to(tl.int64) * sums_stride
     total = tl.zeros((ROWS,), tl.float64)
     bad = tl.zeros((ROWS,), tl.int32)
-    for start in range(0, vocab, TILE):
-        columns = start + offsets
+    for first in range(0, num_blocks, STEP_BLOCKS):
+        columns = first * TILE + offsets
         x = tl.load(row_base + columns * col_stride, mask=columns < vocab, other=0.0)
         # Sums and checks in the accumulation dtype (half types compare unreliably as such
         # in the interpreter, and torch widens them first too).
         wide = x.to(tl.float64) if SUM_F64 else x.to(tl.float32)
-        block_sum = tl.sum(wide, 1).to(tl.float64)
-        tl.store(sums_ptr + rows.to(tl.int64) * sums_stride + start // TILE, block_sum, mask=live)
-        total += block_sum
-        bad += tl.sum(((wide < 0) | (wide != wide)).to(tl.int32), 1)
+        block_sums = tl.sum(wide, 2).to(tl.float64)  # (ROWS, STEP_BLOCKS)
+        index = first + step
+        tl.store(sums_row + index, block_sums, mask=live[:, None] & (index < num_blocks))
+        total += tl.sum(block_sums, 1)
+        bad += tl.sum(tl.sum(((wide < 0) | (wide != wide)).to(tl.int32), 2), 1)
     return total, (bad == 0) & total_fits(total, SUM_F64)
 
 
@@ -239,14 +247,14 @@ def _inverse_cdf_kernel(
     NUM_SAMPLES: tl.constexpr, N_PAD: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
     SUMS_TILE: tl.constexpr, ONE_SUMS_TILE: tl.constexpr, HAS_STEP: tl.constexpr,
     STREAM_ROWS: tl.constexpr,
-    SUM_F64: tl.constexpr,
+    SUM_F64: tl.constexpr, STEP_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < batch
     rows = tl.where(live, rows, 0)  # padding rows read row 0 and store nothing
     total, clean = block_sums_stage(
         probs_ptr, row_stride, col_stride, rows, live, vocab, sums_ptr, sums_stride,
-        ROWS, TILE, SUM_F64,
+        ROWS, TILE, SUM_F64, STEP_BLOCKS,
     )  # fmt: skip
     clean = clean & stream_in_range(rows, live, stream_ptr, stream_stride, STREAM_ROWS)
     tl.debug_barrier()  # the sums just stored are read back by other threads of the program
@@ -336,6 +344,8 @@ def inverse_cdf(
     ids, p_out, logp_out, valid = _outputs(probs, num_samples)
     if batch:
         sizes = _static_sizes(batch, vocab, num_samples)
+        step_blocks = min(STEP_BLOCKS, triton.next_power_of_2(triton.cdiv(vocab, sizes["TILE"])))
+        sizes["ROWS"] = max(1, sizes["ROWS"] // step_blocks)  # the same interpreter tile size
         sums = torch.empty(
             (batch, triton.cdiv(vocab, sizes["TILE"])), dtype=torch.float64, device=probs.device
         )
@@ -344,7 +354,7 @@ def inverse_cdf(
             probs, batch, vocab, probs.stride(0), probs.stride(1), sums, sums.stride(0),
             *_counter_args(seed, step, stream), ids, p_out, logp_out, valid,
             HAS_STEP=step is not None, STREAM_ROWS=isinstance(stream, Tensor),
-            SUM_F64=probs.dtype == torch.float64, **sizes,
+            SUM_F64=probs.dtype == torch.float64, STEP_BLOCKS=step_blocks, **sizes,
         )  # fmt: skip
     return ids, p_out, logp_out, valid
 
