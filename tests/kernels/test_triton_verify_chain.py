@@ -246,3 +246,22 @@ def test_torch_backend_unchanged(monkeypatch):
     assert callable(ref)
     fs.verify_chain(target, tokens, draft, seed=torch.arange(8))
     assert launch.launches() == before
+
+
+def test_chain_and_tree_trace_under_torch_compile(triton_backend):
+    """The operators trace with fullgraph=True and give the eager results."""
+    target, tokens, draft = random_chain_batch(8, 3, 40, seed=10)
+    seeds, steps = torch.arange(8), torch.zeros(8, dtype=torch.int64)
+    eager = fs.verify_chain(target, tokens, draft, seed=seeds, step=steps)
+    compiled = torch.compile(
+        lambda: fs.verify_chain(target, tokens, draft, seed=seeds, step=steps), fullgraph=True
+    )()
+    for field in eager._fields:
+        assert torch.equal(getattr(compiled, field), getattr(eager, field))
+    tree = fs.TokenTree(torch.cat((torch.zeros(8, 1, dtype=torch.int64), tokens), 1), [-1, 0, 0, 1])
+    eager = fs.verify_tree(target, tree, seed=seeds, step=steps)
+    compiled = torch.compile(
+        lambda: fs.verify_tree(target, tree, seed=seeds, step=steps), fullgraph=True
+    )()
+    for field in eager._fields:
+        assert torch.equal(getattr(compiled, field), getattr(eager, field))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-import fastsample as fs
+from ... import verify as fs
 
 # An EAGLE-style tree of 17 nodes: 4 first tokens, then chains and small fans (depth 4).
 TREE_17 = [-1, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 5, 5, 8, 11, 11, 13]

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-import fastsample as fs
+from ... import verify as fs
 
 BATCHES = (1, 8, 64)
 VOCABS = (32000, 128256)
