@@ -68,3 +68,37 @@ def test_kernels_compile_for_sm90():
         pytest.skip("this triton install has no ptxas")
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("compiled") == 4
+
+
+TRACE = textwrap.dedent(
+    """
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastsample.kernels import ops
+
+    assert not ops.INTERPRETED  # the GPU registration: triton_op around wrap_triton launches
+    probs, seed = torch.softmax(torch.randn(4, 300), -1), torch.arange(4)
+    calls = {
+        "race": lambda p, s: ops.race_op(p, 2, s, None, None, 0),
+        "fast_sample": lambda p, s: ops.fast_sample_op(p, 1, s, s, s, 0),
+        "inverse_cdf": lambda p, s: ops.inverse_cdf_op(p, 2, s, s, None, 3),
+    }
+    for name, call in calls.items():
+        graph = make_fx(call, tracing_mode="fake")(probs, seed).graph
+        targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+        assert f"fastsample.{name}.default" in targets, targets
+        print("traced", name)
+    """
+)
+
+
+def test_triton_ops_trace_with_fake_tensors():
+    """The compiled-mode operators (``triton_op``) trace under fake tensors, as
+    ``torch.compile`` does, with no GPU and without running a kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", TRACE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("traced") == 3
