@@ -370,9 +370,9 @@ _COMPILE = textwrap.dedent("""
         num_blocks="i32", total_ptr="*fp64", valid_ptr="*i1", t_bits="i64", k_value="i32",
         p_bits="i64", m_bits="i64", **pointers,
     ), dict(
-        NUM_TOP=3, IS_LOGITS=True, IS_F64=False, NORMALIZE=True, T_MODE=2, DIVIDE=True, K_MODE=2,
-        P_MODE=1, M_MODE=2, CUT=1, GREEDY=True, STREAM_ROWS=True, TILE=512, BLOCK=256,
-        PRECISE=True,
+        NUM_TOP=3, NORMALIZED=True, IS_LOGITS=True, IS_F64=False, NORMALIZE=True, T_MODE=2,
+        DIVIDE=True, K_MODE=2, P_MODE=1, M_MODE=2, CUT=1, GREEDY=True, STREAM_ROWS=True,
+        TILE=512, BLOCK=256, PRECISE=True,
     ))
     build(kg._greedy_kernel, dict(
         src_ptr="*fp32", src_stride="i32", n="i32", stream_ptr="*i64", ids_ptr="*i64",

@@ -147,7 +147,8 @@ def stream_in_range(stream_ptr, row, STREAM_ROWS: tl.constexpr):
 def _controls_kernel(
     src_ptr, src_stride, n, weights_ptr, sums_ptr, num_blocks, total_ptr, valid_ptr,
     t_ptr, t_bits, k_ptr, k_value, p_ptr, p_bits, m_ptr, m_bits, stream_ptr,
-    top_ids_ptr, top_logp_ptr, NUM_TOP: tl.constexpr, IS_LOGITS: tl.constexpr,
+    top_ids_ptr, top_logp_ptr, NUM_TOP: tl.constexpr, NORMALIZED: tl.constexpr,
+    IS_LOGITS: tl.constexpr,
     IS_F64: tl.constexpr, NORMALIZE: tl.constexpr,
     T_MODE: tl.constexpr, DIVIDE: tl.constexpr, K_MODE: tl.constexpr, P_MODE: tl.constexpr,
     M_MODE: tl.constexpr, CUT: tl.constexpr, GREEDY: tl.constexpr, STREAM_ROWS: tl.constexpr,
@@ -271,6 +272,14 @@ def _controls_kernel(
         tl.debug_barrier()  # single kept weights are read back, in another layout
         _store_top(src, out, n, valid, total, top_ids_ptr + row * NUM_TOP,
                    top_logp_ptr + row * NUM_TOP, NUM_TOP, IS_F64, TILE, PRECISE)  # fmt: skip
+    if NORMALIZED:  # process(): w / total in the weights' dtype, invalid rows all zeros
+        tl.debug_barrier()
+        norm = total.to(FLOAT)
+        for start in range(0, n, TILE):
+            offs = start + lanes
+            inside = offs < n
+            w = tl.load(out + offs, mask=inside, other=0.0)
+            tl.store(out + offs, tl.where(valid, _div(w, norm, IS_F64), 0.0), mask=inside)
 
 
 @triton.jit
@@ -365,6 +374,7 @@ def processed_weights(
     controls: Controls,
     stream: Tensor | None = None,
     num_top: int = 0,
+    normalized: bool = False,
 ) -> tuple[Processed, Tensor, Tensor]:
     """:func:`fastsample.controls.processed_weights` in one launch, as a sampler needs it.
 
@@ -380,6 +390,8 @@ def processed_weights(
 
     Also returns ``top_logprobs``' ``(B, num_top)`` token ids (int64) and log-probabilities
     (the weights' dtype), as :func:`fastsample.sampling._with_top_logprobs` computes them.
+    With ``normalized`` the weights come out divided by the total (:func:`fastsample.process`'s
+    result: rows summing to 1, invalid rows all zeros); sums and total stay those of before.
     """
     source = logits if logits is not None else probs
     assert source is not None
@@ -416,6 +428,7 @@ def processed_weights(
         p if isinstance(p, Tensor) else dummy, _bits(p if isinstance(p, float) else 1.0),
         m if isinstance(m, Tensor) else dummy, min_p_bits,
         stream if stream is not None else dummy, top_ids, top_logp, NUM_TOP=num_top,
+        NORMALIZED=normalized,
         IS_LOGITS=is_logits, IS_F64=dtype == torch.float64, NORMALIZE=normalize,
         T_MODE=t_mode, DIVIDE=t_mode in (NUMBER, TENSOR), K_MODE=_mode(k), P_MODE=_mode(p),
         M_MODE=_mode(m), CUT=cut, GREEDY=t_mode in (TENSOR, ZERO),

@@ -12,7 +12,8 @@ weights, block sums, total and validity; greedy rows come out as the point mass 
 first maximal index. ``sample`` then draws with the inverse-CDF draw stage over those block
 sums (:func:`fastsample.kernels.inverse_cdf.draw_from_sums`, one launch), whose uniforms are
 the torch path's bit for bit for seeded calls (same counters); ``process`` divides by the
-total. An all-greedy single draw (a Python ``temperature=0``) is one launch of :mod:`.greedy`.
+total inside the same kernel (one launch). An all-greedy single draw (a Python
+``temperature=0``) is one launch of :mod:`.greedy`.
 
 Launches per ``sample`` call: 2 (controls, draw), plus one ``randint`` (a per-row Philox key
 drawn from the generator) when unseeded; an all-greedy call is 1. Python ``seed``/``step``
@@ -72,6 +73,7 @@ def _controls_launcher(
     min_p_value: float,
     stream: Tensor | None,
     num_top: int,
+    normalized: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     controls = Controls(
         temperature if temperature is not None else _off(temperature_value, 1.0),
@@ -80,7 +82,9 @@ def _controls_launcher(
         min_p if min_p is not None else _off(min_p_value, 0.0),
     )
     logits, probs = (source, None) if is_logits else (None, source)
-    got, top_ids, top_logp = _controls.processed_weights(logits, probs, controls, stream, num_top)
+    got, top_ids, top_logp = _controls.processed_weights(
+        logits, probs, controls, stream, num_top, normalized
+    )
     return got.weights, got.sums, got.total, got.valid, top_ids, top_logp
 
 
@@ -89,7 +93,8 @@ def _off(value: float, off: float) -> float | None:
 
 
 def _controls_fake(source, is_logits, *controls_and_stream):
-    return _controls.outputs(source) + _controls.top_outputs(source, controls_and_stream[-1])
+    num_top = controls_and_stream[-2]
+    return _controls.outputs(source) + _controls.top_outputs(source, num_top)
 
 
 def _greedy_launcher(
@@ -125,6 +130,7 @@ def processed(
     controls: Controls,
     stream: Tensor | None,
     num_top: int = 0,
+    normalized: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(weights, sums, total, valid, top_ids, top_logprobs)`` of
     :func:`.controls.processed_weights`, as an op."""
@@ -144,6 +150,7 @@ def processed(
         _number(m, 0.0),
         stream,
         num_top,
+        normalized,
     )
 
 
@@ -183,7 +190,6 @@ def sample(
 
 
 def process(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Tensor:
-    """:func:`fastsample.process` on the Triton backend: kept weights over their total."""
-    weights, _, total, valid, _, _ = processed(logits, probs, controls, None)
-    out = weights / total.to(weights.dtype)[:, None]
-    return torch.where(valid[:, None], out, 0.0)
+    """:func:`fastsample.process` on the Triton backend: kept weights over their total, in the
+    controls kernel (one launch)."""
+    return processed(logits, probs, controls, None, normalized=True)[0]
