@@ -3,27 +3,33 @@
 One program per row makes every pass over its row inside the kernel, so rows never meet
 (batch invariance by construction) and a call is one launch whatever controls are on:
 
-1. the row's maximum (minimum and NaN flag for probabilities) and first maximal index;
+1. the input's maximum and first maximal index, NaN flag, and for probabilities the minimum
+   and the plain total (for :func:`~fastsample.ops.validation.plain_total_fits`);
 2. the weights ``exp((x - max) / T)`` for logits, ``(p / max p)^(1/T)`` (as
    ``exp(log(p / max p) / T)``) for probabilities, written to the ``(B, V)`` weights buffer;
+   a greedy row (``T == 0``) gets the point mass at its first maximal index instead;
 3. the exact cuts on those weights (:mod:`fastsample.kernels.select`): ``cut_k`` the k-th
    largest weight (ties kept), ``cut_p`` the largest threshold whose kept mass is
    ``>= top_p`` of the top-k survivors' mass, ``cut_min = min_p`` (the largest weight is 1);
 4. the kept weights ``fl(w / s)`` zeroed below 1, ``s = max(cut, floor)``, exactly as
    :func:`fastsample.ops.cuts.keep_at_least` (a Python ``min_p`` alone on logits keeps
    ``w > pred(min_p)`` unscaled, as the torch path does), their float64 block sums
-   (float32 accumulation inside each block of 256, float64 for float64 input), the total,
-   the validity flag, and the greedy rows and ids.
+   (float32 accumulation inside each block of 256, float64 for float64 input), the total
+   and the validity flag;
+5. optionally ``top_logprobs`` (N more passes) and, for :func:`fastsample.process`, the
+   weights divided by the total.
 
 Every float operation is the torch path's, in the same order (sub, correctly rounded div,
 exp), so the weights and the cuts are the same numbers up to one ulp of ``exp``/``log`` where
-the libraries differ, and the block sums up to the order of float32 additions.
+the libraries differ (none on a GPU: libdevice is what torch's CUDA ops call), and the block
+sums up to the order of float32 additions.
 
 Shapes and dtypes: source ``(B, V)`` float16/bfloat16/float32/float64; weights ``(B, V)``
 float32 (float64 for float64 input); sums ``(B, ceil(V / 256))`` float64; total ``(B,)``
-float64; valid, greedy ``(B,)`` bool; greedy ids ``(B,)`` int64. Controls are ``(B,)``
-tensors (read per row, out-of-range values flag the row invalid) or Python numbers (passed
-by their float64 bits, so no host-to-device copy and no tensor op).
+float64; valid ``(B,)`` bool; top ids ``(B, N)`` int64, top log-probabilities ``(B, N)`` in
+the weights' dtype. Controls are ``(B,)`` tensors (read per row, out-of-range values flag the
+row invalid) or Python numbers (passed by their float64 bits: no host-to-device copy, no
+tensor op).
 """
 
 from __future__ import annotations
