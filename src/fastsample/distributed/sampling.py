@@ -14,12 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..kernels import backend
 from ..ops import validation as v
 from ..ops.cuts import keep_at_least, predecessor
 from ..ops.race import repeat_last_genuine
 from ..ops.select import block_maxima, first_argmax, top_entries
 from ..ops.weights import controls_in_range
 from ..sampling import SampleOutput
+from . import triton_round
 from .agree import Call, agree, check_call, local_value_error
 from .comm import Comm
 from .cuts import global_cut
@@ -120,6 +122,8 @@ def sample(
 
 def _sample(comm: Comm, call: Call) -> SampleOutput:
     x, layout, controls, n = call.source, call.layout, call.controls, call.num_samples
+    if triton_round.covered(call) and backend.use_triton(x.device.type):  # FASTSAMPLE_BACKEND
+        return triton_round.sample_round(comm, call)  # three launches plus the collectives
     batch, device = x.shape[0], x.device
     is_logits = call.logits is not None
     out_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32

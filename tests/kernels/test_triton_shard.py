@@ -1,0 +1,191 @@
+"""distributed.sample on the Triton backend (two gloo ranks, kernels interpreted on CPU): the same
+tokens and validity as one-process sampling on both backends, probabilities to the last bits, on
+aligned and unaligned shards, logits and probabilities, bad rows; one round costs at most three
+launches per rank beyond its collectives; calls the kernels do not cover take the torch path."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fastsample as fs
+
+WORLD = 2
+BATCH = 48
+# (vocab, shards per rank): aligned on 256-entry blocks (the bitwise case of the torch path),
+# and unaligned with an odd vocabulary (head slots, the padding column).
+LAYOUTS = {"aligned": (1000, [(512, 1000), (0, 512)]), "unaligned": (999, [(300, 999), (0, 300)])}
+CONTROLS = [
+    {"temperature": 0.8},
+    {},
+    {"temperature": 0.7, "min_p": 0.05},
+]
+
+
+def inputs(vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(BATCH, vocab, generator=gen) * 3
+    logits[1, vocab // 3 :] = -math.inf  # a grammar mask
+    logits[2, 5] = math.nan  # bad on one shard only
+    logits[3] = -math.inf  # nothing to draw
+    logits[4, 700:] = 30.0  # most mass on rank 0's shard
+    probs = torch.softmax(logits.nan_to_num(nan=0.0), -1)
+    probs[5, 10] = -1.0  # a negative probability
+    probs[3] = 0.0
+    return logits.to(dtype), probs.to(dtype)
+
+
+def cases():
+    for name, (vocab, _) in LAYOUTS.items():
+        for dtype in (torch.float32, torch.float16) if name == "aligned" else (torch.float64,):
+            for source in ("logits", "probs"):
+                for i, controls in enumerate(CONTROLS):
+                    if source == "probs" and "min_p" in controls:
+                        continue
+                    yield (name, str(dtype), source, i), (vocab, dtype, source, controls)
+
+
+def call(x: torch.Tensor, source: str, controls: dict, **kwargs):
+    seeds = torch.arange(x.shape[0]) * 11 + 5
+    steps = torch.full((x.shape[0],), 3, dtype=torch.int64)
+    return dict(seed=seeds, step=steps, **{source: x}, **controls, **kwargs)
+
+
+def _worker(rank: int, port: int, outdir: str, tests_dir: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
+    os.environ["FASTSAMPLE_BACKEND"] = "triton"
+    sys.path.insert(0, tests_dir)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    from fastsample.distributed import sample
+    from launch_budget import device_work
+
+    results: dict = {}
+    try:
+        for key, (vocab, dtype, source, controls) in cases():
+            spans = LAYOUTS[key[0]][1]
+            start, end = spans[rank]
+            x = inputs(vocab, dtype)[0 if source == "logits" else 1][:, start:end]
+            kwargs = call(x, source, controls, vocab_start=start, vocab_size=vocab)
+            for backend in ("triton", "torch"):
+                os.environ["FASTSAMPLE_BACKEND"] = backend
+                out = sample(**kwargs)
+                fields = (out.token_ids, out.probs, out.valid, out.logprobs)
+                results[(backend, *key)] = tuple(t.clone() for t in fields)
+        os.environ["FASTSAMPLE_BACKEND"] = "triton"
+        vocab, spans = LAYOUTS["aligned"]
+        x = inputs(vocab, torch.float32)[0][:, slice(*spans[rank])]
+        kwargs = call(
+            x, "logits", {"temperature": 0.8}, vocab_start=spans[rank][0], vocab_size=vocab
+        )
+        sample(**kwargs)  # warm-up
+        results["work"] = device_work(lambda: sample(**kwargs))[::2]  # (total, launches)
+        # Not covered by the kernels (top-k): the torch path, no launch.
+        results["fallback"] = device_work(lambda: sample(**kwargs, top_k=20))[2]
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Each rank's results from one run of every case on two gloo processes."""
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_worker, args=(r, port, outdir, tests_dir)) for r in range(WORLD)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + 300
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert not any(p.is_alive() for p in procs), "ranks still running after 300 s"
+            out = [
+                torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+                for r in range(WORLD)
+            ]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+    for r in out:
+        assert "error" not in r, r.get("error")
+    return out
+
+
+def on(backend: str, fn, **kwargs):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FASTSAMPLE_BACKEND", backend)
+        return fn(**kwargs)
+
+
+CASES = list(cases())
+
+
+@pytest.mark.parametrize("key,case", CASES, ids=["-".join(map(str, key)) for key, _ in CASES])
+def test_equals_torch_path_and_one_process_sampling(ranks, key, case):
+    """Every rank returns the same result; it equals the torch path's distributed result and,
+    on block-aligned shards (where the torch path is bitwise one-process sampling), one-process
+    sampling on both backends: ids and validity exactly, probabilities to rounding."""
+    vocab, dtype, source, controls = case
+    x = inputs(vocab, dtype)[0 if source == "logits" else 1]
+    first, second = ranks[0][("triton", *key)], ranks[1][("triton", *key)]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    references = {"torch distributed": ranks[0][("torch", *key)]}
+    if key[0] == "aligned":
+        for backend in ("torch", "triton"):
+            one = on(backend, fs.sample, **call(x, source, controls))
+            references[f"{backend} one process"] = (
+                one.token_ids,
+                one.probs,
+                one.valid,
+                one.logprobs,
+            )
+    ids, probs, valid, logprobs = first
+    tight = 1e-12 if dtype == torch.float64 else 1e-6
+    for name, (ids_ref, probs_ref, valid_ref, logprobs_ref) in references.items():
+        assert torch.equal(ids, ids_ref) and torch.equal(valid, valid_ref), name
+        torch.testing.assert_close(probs, probs_ref, rtol=tight, atol=0)
+        assert torch.equal(logprobs.isinf(), logprobs_ref.isinf()), name
+        finite = ~logprobs.isinf()
+        torch.testing.assert_close(logprobs[finite], logprobs_ref[finite], rtol=tight, atol=tight)
+    bad_rows = [2, 3] if source == "logits" else [3, 5]  # NaN on one shard; no mass; p < 0
+    assert not bool(valid[bad_rows].any()) and bool(valid[6:].all())
+
+
+def test_one_round_launch_budget(ranks):
+    for rank in ranks:
+        total, launches = rank["work"]
+        assert launches == 3 and total <= 3, rank["work"]
+        assert rank["fallback"] == 0  # top-k: the torch path
