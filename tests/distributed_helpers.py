@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from fastsample import distributed as fsd
 from fastsample.distributed import shard as _shard
 from reference import reference_probs, robust_min_p, robust_top_p
+from stattests import mid_mass_biased, parity_biased
 
 WORLDS = (2, 4)
 GROUP_TIMEOUT = 240.0  # seconds for one world's whole run (it takes ~10-20 s)
@@ -164,6 +165,10 @@ def scenario_uneven(rank: int, world: int) -> dict:
 # controls run the radix rounds, whose (draws, 1024) histograms cost the most here: fewer draws.
 DRAWS = {"scalar": 12000, "tensor": 6000}
 CONFIGS = 4  # one per kind of row: peaked, flat, ties, masked
+# The relative bias on 10% of the mass these sizes detect with probability 0.99 (the worst
+# configuration, tensor controls; tests/test_power.py computes it). A named gap: 2% would
+# take about 3 million draws per configuration.
+CLAIM = 0.70
 
 
 def exact_configs(vocab: int, seed: int, rows: int):
@@ -247,13 +252,19 @@ def scenario_exact(rank: int, world: int) -> dict:
     x, t, k = xs[0], 1.0, 6
     right = reference_probs(x, t, k)
     buggy = shard_local_law(x, t, k, UNEVEN[world])
-    biased = right * 0.98
-    biased[int(np.argmax(right))] += 0.02
+    # Each at the size of the scalar test it guards: the mid-mass tokens 1.5x the claimed
+    # detectable bias more likely, even-index tokens x1.5, ids one place off.
+    draws = DRAWS["scalar"]
+    ours = draw_counts(span, UNEVEN_VOCAB, x[None], [(t, k, 1.0, 0.0)], scalar=True)
+    shifted = draw_probs_counts(span, UNEVEN_VOCAB, right, draws)
+    mid_mass = mid_mass_biased(right, 1.5 * CLAIM)
     out["negative"] = {
         "right": right,
-        "buggy": draw_probs_counts(span, UNEVEN_VOCAB, buggy, 60000),
-        "biased": draw_probs_counts(span, UNEVEN_VOCAB, biased, 120000),
-        "ours": draw_counts(span, UNEVEN_VOCAB, x[None], [(t, k, 1.0, 0.0)], scalar=True),
+        "buggy": draw_probs_counts(span, UNEVEN_VOCAB, buggy, draws),
+        "mid-mass": draw_probs_counts(span, UNEVEN_VOCAB, mid_mass, draws),
+        "even x1.5": draw_probs_counts(span, UNEVEN_VOCAB, parity_biased(right), draws),
+        "off by one": np.roll(shifted, 1),
+        "ours": ours,
     }
     # Coarse slots (what a vocabulary beyond ~262k entries uses), forced on a small one.
     span = COARSE[world][rank]
