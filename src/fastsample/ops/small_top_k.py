@@ -68,7 +68,7 @@ from .select import (
 )
 from .threads import one_thread, pass_threads
 from .validation import Controls
-from .weights import controls_in_range, logit_weights_
+from .weights import controls_in_range, logit_weights_divided_, temperature_divisor
 
 # The counting pass works on pieces of this many logits (1 MiB of float32): its scratch stays
 # in cache, so the pass costs little more than reading the logits.
@@ -175,9 +175,11 @@ def _draw_from_maxima(
     finite = (best > -math.inf) & (best < math.inf)
     shift = torch.where(finite, best, 0.0)
 
+    divisor = temperature_divisor(temperature, torch.float32)  # once for every weigh()
+
     def weigh(x: Tensor) -> Tensor:  # the general path's formula, on a few columns
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        return logit_weights_(out, x, shift, temperature)
+        return logit_weights_divided_(out, x, shift, divisor)
 
     found = candidate_entries(logits, count, maxima)
     candidates = torch.where(found.values > -math.inf, weigh(found.values), 0.0)
@@ -242,7 +244,12 @@ def _draw_from_maxima(
         valid = valid & controls_in_range(controls, batch, logits.device)
     greedy = greedy_ids = None
     if isinstance(temperature, Tensor):
-        greedy, greedy_ids = temperature == 0, first_argmax(logits, maxima)
+        greedy = temperature == 0
+        # Reading it is free where the values are (CPU eager): no greedy row, nothing to do.
+        if not host_readable(greedy) or bool(greedy.any()):
+            greedy_ids = first_argmax(logits, maxima)
+        else:
+            greedy = None
     return Drawn(token_ids, genuine, total, valid, read, maxima, greedy, greedy_ids)
 
 
