@@ -5,7 +5,8 @@ samplers: ``verify_chain`` (seeded, with and without draft probabilities, ragged
 ``verify_tree`` (modes a and b on a 17-node EAGLE-style tree, shared host parents), plus one
 round of ``distributed.sample`` on a one-rank gloo group when ``torch.distributed`` is
 available (its collectives are ``c10d`` ops, not aten ops, so they are not counted: the
-budget is per rank *beyond* the collectives).
+budget is per rank *beyond* the collectives). The Triton backend covers seeded single draws
+with temperature and min-p (3 launches); top-k/top-p rounds still take the torch path.
 """
 
 from __future__ import annotations
@@ -89,12 +90,12 @@ def distributed_calls(
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(batch, vocab, generator=gen)
-    seeds = torch.arange(batch)
+    seeds, steps = torch.arange(batch), torch.zeros(batch, dtype=torch.int64)
     return [
-        ("distributed.sample(shard, T=0.8, min_p=0.05, seed=) (1 rank)",
+        ("distributed.sample(shard, T=0.8, min_p=0.05, seed=, step= tensors) (1 rank)",
          lambda: sample(logits, vocab_start=0, vocab_size=vocab, temperature=0.8, min_p=0.05,
-                        seed=seeds)),
-        ("distributed.sample(shard, T=0.8, top_k=50, top_p=0.9, seed=) (1 rank)",
+                        seed=seeds, step=steps)),
+        ("distributed.sample(shard, T=0.8, top_k=50, top_p=0.9, seed=, step=) (1 rank)",
          lambda: sample(logits, vocab_start=0, vocab_size=vocab, temperature=0.8, top_k=50,
-                        top_p=0.9, seed=seeds)),
+                        top_p=0.9, seed=seeds, step=steps)),
     ]  # fmt: skip
