@@ -408,8 +408,8 @@ def sample(
         from .kernels import controls_ops
 
         if controls_ops.serves(controls, num_samples):
-            out = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
-            return _flag_rows(out, ok)
+            # The kernels flag rows with an out-of-range tensor stream themselves.
+            return controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
         return _flag_rows(_all_greedy(source_tensor, logits is not None, num_samples), ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
