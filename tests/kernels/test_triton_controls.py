@@ -308,6 +308,10 @@ def test_launch_budget(backend):
     seed, step = torch.arange(batch), torch.zeros(batch, dtype=torch.int64)
     budgets = {
         "tensor controls + seeds": (lambda: fs.sample(x, seed=seed, step=step, **controls), 4),
+        "tensor controls, seeds and streams": (
+            lambda: fs.sample(x, seed=seed, step=step, stream=step, **controls),
+            4,
+        ),
         "numbers, seeded": (
             lambda: fs.sample(x, temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, seed=3),
             4,
