@@ -400,7 +400,6 @@ def sample(
     # Sampling is not differentiable: values only, once, after the checks.
     source_tensor = v.detached(source_tensor)
     logits, probs = (source_tensor, None) if logits is not None else (None, source_tensor)
-    ok = stream_ok(source)
 
     from .kernels import backend as kernel_backend  # imports no triton
 
@@ -410,6 +409,8 @@ def sample(
         if controls_ops.serves(controls, num_samples):
             # The kernels flag rows with an out-of-range tensor stream themselves.
             return controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
+    ok = stream_ok(source)  # (B,) bool for a tensor stream, else None
+
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
         return _flag_rows(_all_greedy(source_tensor, logits is not None, num_samples), ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
