@@ -16,6 +16,7 @@ from verify_helpers import (
     INF,
     NAN,
     ToyModel,
+    Trial,
     assert_laws,
     children_lists,
     laws_rejected,
@@ -68,6 +69,39 @@ def test_tree_control_mode_b_on_top_k_children_rejected(triton_backend):
     toy = model("mixed")
     trial = tree_trial(toy, TREE_BATCH // 2, TOP4_CHAINS, seed=31, mode="b", children="topk")
     assert any(laws_rejected(toy, trial))
+
+
+def stale_round(toy, keys, parents, seed):
+    """A mode-a round (top-k children) whose nodes get their parent's target row (a caller's
+    off-by-one in the tree attention); the root's row is right."""
+    batch, n = keys.shape[0], len(parents)
+    node_keys = torch.empty(batch, n, dtype=torch.int64)
+    node_keys[:, 0] = keys
+    tokens = torch.zeros(batch, n, dtype=torch.int64)
+    for node, kids in enumerate(children_lists(parents)):
+        if kids:
+            chosen = toy.draft[node_keys[:, node]].topk(len(kids), -1).indices
+            for i, kid in enumerate(kids):
+                tokens[:, kid] = chosen[:, i]
+                node_keys[:, kid] = toy.child(node_keys[:, node], chosen[:, i])
+    stale = node_keys.clone()
+    stale[:, 1:] = node_keys[:, torch.tensor(parents[1:])]
+    seeds = torch.arange(batch) + seed * 10_000_019
+    tree = fs.TokenTree(tokens, parents)
+    return fs.verify_tree(toy.target[stale].float(), tree, seed=seeds, step=3)
+
+
+def test_tree_control_mode_a_stale_target_rows_rejected(triton_backend):
+    """Negative control for mode a: the same law test rejects the output of the kernel fed
+    each node's parent's target row (the first token stays exact, the second does not)."""
+    toy = model("mixed")
+    keys = toy.start_keys(TREE_BATCH // 2)
+    one = stale_round(toy, keys, IRREGULAR, 21)
+    first = one.token_ids[:, 0]
+    two = stale_round(toy, toy.child(keys, first), IRREGULAR, 22)
+    second = torch.where(one.num_emitted >= 2, one.token_ids[:, 1], two.token_ids[:, 0])
+    first_rejected, joint_rejected = laws_rejected(toy, Trial(first, second, one.num_accepted))
+    assert joint_rejected and not first_rejected
 
 
 # ---------------------------------------------------------------------------- same as torch
