@@ -86,11 +86,40 @@ class CounterSource:
     # Up to this many Philox blocks per row, the few-block layout is faster (overhead-bound).
     FEW_BLOCKS = 8
 
-    def __init__(self, seed: Tensor, step: Tensor, stream: Tensor | int):
+    def __init__(
+        self,
+        seed: Tensor | int,
+        step: Tensor | int,
+        stream: Tensor | int,
+        rows: tuple[int, torch.device] | None = None,
+    ):
         # Nothing is derived here: each call builds its own counter layout, and every tiny
         # op is ~1 us of a seeded single draw's budget. ``stream`` may stay a checked
-        # Python int (the usual case), which then costs no op at all.
-        self.seed, self.step, self.stream = seed, step, stream
+        # Python int (the usual case), which then costs no op at all; so may ``seed`` and
+        # ``step`` (with ``rows = (batch, device)``): they become ``(B,)`` tensors only when
+        # first read, so a call that draws nothing (greedy) or whose kernel takes them some
+        # other way launches no ``full``.
+        self._seed, self._step, self.stream = seed, step, stream
+        self._rows = rows
+
+    def _as_rows(self, value: Tensor | int) -> Tensor:
+        if isinstance(value, Tensor):
+            return value
+        assert self._rows is not None, "Python seed/step need rows=(batch, device)"
+        batch, device = self._rows
+        return torch.full((batch,), value, dtype=torch.int64, device=device)
+
+    @property
+    def seed(self) -> Tensor:
+        """``(B,)`` int64 seeds (built on first read from a Python int)."""
+        self._seed = self._as_rows(self._seed)
+        return self._seed
+
+    @property
+    def step(self) -> Tensor:
+        """``(B,)`` int64 steps (built on first read from a Python int)."""
+        self._step = self._as_rows(self._step)
+        return self._step
 
     def _stream_word(self, purpose: Purpose) -> Tensor | int:
         """Counter word ``c1``: the purpose byte above the 24-bit stream."""
@@ -227,7 +256,8 @@ def make_source(
             "generator and seed are mutually exclusive: pass seed (and step) for per-request "
             "counter-based randomness, or generator for a torch.Generator stream"
         )
-    return CounterSource(*check_counter_args(seed, step, stream, batch, device, int_stream=True))
+    seed, step, stream = check_counter_args(seed, step, stream, batch, device, keep_ints=True)
+    return CounterSource(seed, step, stream, rows=(batch, device))
 
 
 def stream_ok(source: object) -> Tensor | None:
@@ -253,13 +283,15 @@ def check_counter_args(
     device: torch.device,
     *,
     int_stream: bool = False,
-) -> tuple[Tensor, Tensor, Tensor | int]:
+    keep_ints: bool = False,
+) -> tuple[Tensor | int, Tensor | int, Tensor | int]:
     """Check ``seed``/``step``/``stream`` and broadcast them to ``(B,)`` int64 tensors.
 
     Python ints become tensors on ``device`` (with ``int_stream``, a Python int ``stream``
-    is returned as it is: a constant costs no tensor op); tensors must already be int64,
-    ``(B,)`` (or 0-d) and on ``device``. Raises ``TypeError``/``ValueError`` naming the
-    argument.
+    is returned as it is: a constant costs no tensor op; with ``keep_ints``, so are ``seed``
+    and ``step``, for a :class:`CounterSource` that builds them only when read); tensors
+    must already be int64, ``(B,)`` (or 0-d) and on ``device``. Raises
+    ``TypeError``/``ValueError`` naming the argument.
     """
 
     def as_rows(value: object, name: str, default: int | None, keep_int: bool = False) -> Any:
@@ -298,7 +330,7 @@ def check_counter_args(
         return value
 
     return (
-        as_rows(seed, "seed", None),
-        as_rows(step, "step", 0),
-        as_rows(stream, "stream", 0, keep_int=int_stream),
+        as_rows(seed, "seed", None, keep_int=keep_ints),
+        as_rows(step, "step", 0, keep_int=keep_ints),
+        as_rows(stream, "stream", 0, keep_int=int_stream or keep_ints),
     )
