@@ -408,7 +408,8 @@ def sample(
 
         if controls_ops.serves(controls, num_samples):
             # The kernels flag rows with an out-of-range tensor stream themselves.
-            return controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
+            fields = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
+            return SampleOutput(*fields)
     ok = stream_ok(source)  # (B,) bool for a tensor stream, else None
 
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass

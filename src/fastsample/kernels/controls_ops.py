@@ -161,16 +161,17 @@ def sample(
     num_samples: int,
     source: UniformSource,
     num_top: int,
-):
-    """:func:`fastsample.sample` on the Triton backend (a call that :func:`serves` takes)."""
-    from ..sampling import SampleOutput  # loaded: it is our caller
-
+) -> tuple[Tensor, ...]:
+    """:func:`fastsample.sample` on the Triton backend (a call that :func:`serves` takes):
+    the fields of a ``SampleOutput``, ``(token_ids, probs, valid, logprobs)`` and, with
+    ``num_top``, ``top_token_ids, top_logprobs`` (the caller builds the output type, so this
+    layer needs nothing from the one above)."""
     data = logits if logits is not None else probs
     assert data is not None
     stream = _tensor_stream(source)
     if controls.all_greedy and num_top == 0:
         ids, p_out, logp_out, valid = greedy_op(data, logits is not None, stream)
-        return SampleOutput(ids, p_out, valid, logp_out)
+        return ids, p_out, valid, logp_out
     weights, sums, total, clean, top_ids, top_logp = processed(
         logits, probs, controls, stream, num_top
     )
@@ -185,8 +186,8 @@ def sample(
         weights, sums, total, clean, num_samples, seed, step, stream_rows, stream_value
     )
     if num_top:
-        return SampleOutput(ids, p_out, valid, logp_out, top_ids, top_logp)
-    return SampleOutput(ids, p_out, valid, logp_out)
+        return ids, p_out, valid, logp_out, top_ids, top_logp
+    return ids, p_out, valid, logp_out
 
 
 def process(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Tensor:

@@ -140,10 +140,21 @@ def counters(
     Unseeded (a generator): one ``randint`` per call draws each row's 63-bit key on the device.
     """
     if isinstance(source, CounterSource):
+        seed, step = source.given()
+        # A Python seed or step is one 1-entry tensor broadcast with stride 0 (a Python step
+        # of 0 is none at all): the kernels read (B,) counters with any stride.
+        if not isinstance(seed, Tensor):
+            seed = torch.full((1,), seed, dtype=torch.int64, device=device).expand(batch)
+        if not isinstance(step, Tensor):
+            step = (
+                None
+                if step == 0
+                else torch.full((1,), step, dtype=torch.int64, device=device).expand(batch)
+            )
         stream = source.stream
         if isinstance(stream, Tensor):
-            return source.seed, source.step, stream, 0
-        return source.seed, source.step, None, int(stream)
+            return seed, step, stream, 0
+        return seed, step, None, int(stream)
     if not isinstance(source, GeneratorSource):
         raise TypeError(f"no kernel counters for a {type(source).__name__}")
     keys = torch.randint(

@@ -109,6 +109,11 @@ class CounterSource:
         batch, device = self._rows
         return torch.full((batch,), value, dtype=torch.int64, device=device)
 
+    def given(self) -> tuple[Tensor | int, Tensor | int]:
+        """``(seed, step)`` as they were given: checked ``(B,)`` tensors or Python ints.
+        Kernels that broadcast a number themselves read these instead of :attr:`seed`."""
+        return self._seed, self._step
+
     @property
     def seed(self) -> Tensor:
         """``(B,)`` int64 seeds (built on first read from a Python int)."""

@@ -33,7 +33,7 @@ def random_source(
     source = make_source(generator, seed, step, None, batch, device)  # type: ignore[arg-type]
     if isinstance(source, GeneratorSource):
         return source
-    return Seeds(*check_counter_args(seed, step, 0, batch, device)[:2])
+    return Seeds(*check_counter_args(seed, step, 0, batch, device, int_stream=True)[:2])
 
 
 def _counters(seeds: Seeds, streams: Sequence[Stream]) -> CounterSource:

@@ -106,8 +106,11 @@ def public_calls(
     probs = torch.softmax(logits, -1)
     seeds = torch.arange(batch, device=device)
     steps = torch.zeros(batch, dtype=torch.int64, device=device)
-    rows = torch.ones(batch, device=device)
+    # Control tensors are made here, not in the calls: only the library's own work counts.
+    temperature = torch.full((batch,), 0.8, device=device)
     top_k = torch.full((batch,), 50, device=device, dtype=torch.int64)
+    top_p = torch.full((batch,), 0.9, device=device)
+    min_p = torch.full((batch,), 0.05, device=device)
     return [
         ("fast_sample(probs)", lambda: fs.fast_sample(probs)),
         ("fast_sample(probs, 2, seed=7)", lambda: fs.fast_sample(probs, 2, seed=7)),
@@ -119,9 +122,9 @@ def public_calls(
          lambda: fs.sample_from_probs(probs, 2, seed=seeds, step=steps)),
         ("sample_from_probs(probs, method='race')",
          lambda: fs.sample_from_probs(probs, method="race")),
-        ("sample(logits, T, top_k, top_p, min_p tensors, seed)",
-         lambda: fs.sample(logits, temperature=rows * 0.8, top_k=top_k, top_p=rows * 0.9,
-                           min_p=rows * 0.05, seed=seeds, step=steps)),
+        ("sample(logits, T, top_k, top_p, min_p tensors, seed=, step= tensors)",
+         lambda: fs.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                           min_p=min_p, seed=seeds, step=steps)),
         ("sample(logits, T=0.8, top_k=50, top_p=0.9, seed=7)",
          lambda: fs.sample(logits, temperature=0.8, top_k=50, top_p=0.9, seed=7)),
         ("sample(logits, temperature=0)", lambda: fs.sample(logits, temperature=0)),
