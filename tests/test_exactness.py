@@ -1,9 +1,12 @@
 """Exactness of both draw methods against exact float64 probabilities.
 
-Families: single-draw law over many row shapes, dtypes and vocabulary sizes; the joint law
-of 2 and 3 draws without replacement (Plackett-Luce); the far tail; zero-probability
-tokens. Each family has a negative control: the same test rejects a sampler biased by 2%
-of the probability mass (or, for the tail, the classic coarse-grid implementation).
+Families: single-draw law over row shapes, dtypes and vocabulary sizes; the joint law of 2
+and 3 draws without replacement (Plackett-Luce); the far tail; zero-probability tokens. Each
+law test judges its counts with stattests.law_test (p < 1e-6, cells that mix heavy tokens,
+index ranges split by parity, probability tiers and hashed indices) at a size chosen from
+stattests.detectable_bias; tests/test_power.py checks every claimed size and runs broken
+copies of the sampler through these procedures. Each family has a negative control at the
+size of the test it guards.
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ import torch
 import fastsample as fs
 from stattests import (
     assert_law,
-    binned,
     count_draws,
     law_rejected,
+    mid_mass_biased,
     plackett_luce,
     poisson_bounds,
+    poisson_power,
 )
 
 METHODS = ["inverse_cdf", "race"]
-# The race draws one uniform per entry (~15 ns each on CPU): cap its work per test.
-ENTRY_BUDGET = {"inverse_cdf": 4e9, "race": 1.5e8}
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the single-draw tests draw
 
 
 def make_row(kind: str, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -49,20 +53,36 @@ def make_row(kind: str, vocab: int, gen: torch.Generator) -> torch.Tensor:
     return w
 
 
-# (kind, vocab, dtype): V from 2 to 200,000, every dtype, ragged and exact block multiples.
+def case_row(kind: str, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    return make_row(kind, vocab, torch.Generator().manual_seed(vocab * 7 + len(kind))).to(dtype)
+
+
+# (kind, vocab, dtype, draws): V from 2 to 200,000, every dtype, ragged and exact block
+# multiples. Each size comes from stattests.draws_needed: the draws at which the law test
+# detects a relative bias on 10% of the mass (stattests.detectable_bias) of at most the
+# claim stated in tests/test_power.py (2% at V <= 1,000, 10% at V >= 32k). Fewer cases than
+# shapes x dtypes x methods: each costs millions of draws at V <= 1,000.
 CASES = [
-    ("flat", 2, torch.float32),
-    ("peaked", 3, torch.float16),
-    ("zeros", 17, torch.bfloat16),
-    ("long_tailed", 256, torch.float64),
-    ("peaked", 1000, torch.float32),
-    ("zeros", 4099, torch.float16),
-    ("flat", 32000, torch.bfloat16),
-    ("long_tailed", 50_000, torch.float32),
-    ("peaked", 128_256, torch.bfloat16),
-    ("zeros", 200_000, torch.float64),
-    ("long_tailed", 200_000, torch.float16),
+    ("flat", 2, torch.float32, 640_000),
+    ("zeros", 17, torch.bfloat16, 2_900_000),
+    ("long_tailed", 256, torch.float64, 1_000_000),
+    ("peaked", 1000, torch.float32, 1_000_000),
+    ("zeros", 4099, torch.float16, 600_000),
+    ("flat", 32000, torch.bfloat16, 104_000),
+    ("zeros", 200_000, torch.float64, 104_000),
 ]
+# The race draws one uniform per entry (~30 ns each on CPU): the CPU runs it on the shortest
+# rows (its ops do not depend on V: an elementwise division and an argmax, and test_seeds
+# checks the noise at every position up to 2**18 bitwise); CUDA runs it on all of them.
+RACE_CPU = [0, 1]
+
+
+def case_params():
+    for i, (kind, vocab, dtype, draws) in enumerate(CASES):
+        name = f"{kind}-{vocab}-{str(dtype).replace('torch.', '')}"
+        yield pytest.param("inverse_cdf", kind, vocab, dtype, draws, id=f"inverse_cdf-{name}")
+        marks = () if i in RACE_CPU else CUDA
+        yield pytest.param("race", kind, vocab, dtype, draws, id=f"race-{name}", marks=marks)
 
 
 def sampler(method: str, gen: torch.Generator):
@@ -74,37 +94,42 @@ def sampler(method: str, gen: torch.Generator):
     return draw
 
 
-def draws_for(method: str, vocab: int) -> int:
-    return int(min(200_000, ENTRY_BUDGET[method] / vocab))
+def drawn_as(row: torch.Tensor) -> torch.Tensor:
+    """Long half-precision rows are drawn from their float32 copy (the same law exactly): the
+    CPU widens half rows a few rows at a time, slow for batches of thousands of one row, and
+    test_seeds holds the half path bitwise to the float32 one at V=100,000."""
+    long_half = row.shape[0] >= 4096 and row.dtype in (torch.float16, torch.bfloat16)
+    return row.float() if long_half and DEVICE == "cpu" else row
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind,vocab,dtype", CASES, ids=lambda x: str(x).replace("torch.", ""))
-def test_single_draw_law(method, kind, vocab, dtype):
-    gen = torch.Generator().manual_seed(vocab * 7 + len(kind))
-    row = make_row(kind, vocab, gen).to(dtype)
+def single_draw_counts(draw, row: torch.Tensor, draws: int) -> np.ndarray:
+    """The single-draw procedure: ``draws`` draws of ``row`` through ``draw``, in chunks of
+    about 2e7 entries (or 200,000 rows)."""
+    chunk = max(1, min(200_000, int(2e7 // row.shape[0])))
+    counts = count_draws(draw, row.to(DEVICE), draws, chunk)
+    assert counts.sum() == draws
+    return counts
+
+
+@pytest.mark.parametrize("method,kind,vocab,dtype,draws", list(case_params()))
+def test_single_draw_law(method, kind, vocab, dtype, draws):
+    gen = torch.Generator(DEVICE).manual_seed(vocab * 7 + len(kind))
+    row = case_row(kind, vocab, dtype)
     exact = row.double().numpy()  # the law of the row exactly as given, in float64
-    total = draws_for(method, vocab)
-    counts = count_draws(sampler(method, gen), row, total, chunk=max(1, int(2e7 // vocab)))
-    assert counts.sum() == total
-    if vocab > 64:  # enough cells for power, each expecting plenty of draws
-        counts, exact = binned(counts, exact, num_bins=min(64, max(8, total // 200)))
+    counts = single_draw_counts(sampler(method, gen), drawn_as(row), draws)
     assert_law(counts, exact, what=f"{method} {kind} V={vocab} {dtype}")
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_single_draw_law_rejects_biased_sampler(method):
-    """Negative control: 2% of the mass moved onto one token is caught by the same test."""
-    gen = torch.Generator().manual_seed(5)
-    vocab = 1000
-    row = make_row("peaked", vocab, gen)
-    exact = (row / row.sum()).numpy()
-    biased = row / row.sum()
-    biased = biased * 0.98
-    biased[int(torch.argmin(biased))] += 0.02
-    total = draws_for(method, vocab)
-    counts = count_draws(sampler(method, gen), biased.float(), total, chunk=20_000)
-    counts, exact = binned(counts, exact, num_bins=min(64, max(8, total // 200)))
+    """Negative control, at the size of the test it guards: the mid-mass tokens (the
+    probability decile around the median of the mass) 1.5x the claimed detectable bias
+    more likely, drawn by the real sampler, are caught by the law test at V=2, at its size."""
+    kind, vocab, dtype, draws = CASES[0]
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    exact = case_row(kind, vocab, dtype).double().numpy()
+    wrong = torch.tensor(mid_mass_biased(exact, 0.03))
+    counts = single_draw_counts(sampler(method, gen), wrong, draws)
     assert law_rejected(counts, exact)
 
 
@@ -130,6 +155,7 @@ def joint_counts(draw, row: torch.Tensor, n: int, total: int) -> tuple[np.ndarra
 
 
 JOINT_ROW = [0.05, 0.4, 0.0, 0.2, 0.15, 0.2]  # includes an exact zero
+JOINT_DRAWS = 300_000  # detects 7% (pairs) and 9% (triples): see tests/test_power.py
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -143,7 +169,7 @@ def test_joint_law_without_replacement(method, n):
         assert bool(out.valid.all())
         return out.token_ids
 
-    counts, tuples = joint_counts(draw, row, n, 300_000)
+    counts, tuples = joint_counts(draw, row, n, JOINT_DRAWS)
     assert_law(counts, plackett_luce(np.array(JOINT_ROW), tuples), what=f"{method} n={n}")
 
 
@@ -161,7 +187,7 @@ def test_joint_law_rejects_biased_sampler(method):
         second = fs.sample_from_probs(rest, 1, generator=gen, method=method).token_ids
         return torch.cat([first, second], 1)
 
-    counts, tuples = joint_counts(draw, row, 2, 300_000)
+    counts, tuples = joint_counts(draw, row, 2, JOINT_DRAWS)
     assert law_rejected(counts, plackett_luce(np.array(JOINT_ROW), tuples))
 
 
@@ -174,22 +200,29 @@ def test_fast_sample_joint_law_matches_multinomial_law():
         assert torch.equal(sample_p, batch.gather(1, sample_index))
         return sample_index
 
-    counts, tuples = joint_counts(draw, row, 3, 300_000)
+    counts, tuples = joint_counts(draw, row, 3, JOINT_DRAWS)
     assert_law(counts, plackett_luce(row.double().numpy(), tuples), what="fast_sample n=3")
 
 
 # --- the far tail -------------------------------------------------------------------------
 
 TAIL_TOKENS = 250_000
-TAIL_RATIO = 1e-9
+TAIL_RATIO = 1e-8  # below float32's half-ulp of 1 (6e-8): a float32 running sum never grows
+TAIL_DRAWS = 75_000  # about 187 expected tail hits: the window rejects half (or twice) the rate
 
 
 def tail_row(dtype=torch.float32) -> tuple[torch.Tensor, float]:
-    """One dominant token (index 0) and 250,000 tokens each 1e-9 as likely."""
+    """One dominant token (index 0) and 250,000 tokens each 1e-8 as likely."""
     row = torch.full((TAIL_TOKENS + 1,), TAIL_RATIO, dtype=torch.float64)
     row[0] = 1.0
     tail_mass = TAIL_TOKENS * TAIL_RATIO / (1 + TAIL_TOKENS * TAIL_RATIO)
     return row.to(dtype), tail_mass
+
+
+def tail_window(total: int = TAIL_DRAWS) -> tuple[int, int]:
+    """The acceptance window for the tail hits of ``total`` draws (p < 1e-6 two-sided)."""
+    _, tail_mass = tail_row()
+    return poisson_bounds(total * tail_mass)
 
 
 def tail_hits(draw, row: torch.Tensor, total: int, chunk: int) -> int:
@@ -199,22 +232,37 @@ def tail_hits(draw, row: torch.Tensor, total: int, chunk: int) -> int:
 
 def flat_float32_inverse_cdf(row: torch.Tensor, total: int, gen: torch.Generator) -> np.ndarray:
     """The classic bug, as counts: a running float32 sum over the vocabulary (as a GPU
-    cumsum does) and a float32 uniform. Past the dominant token, 1 + 1e-9 rounds to 1."""
+    cumsum does) and a float32 uniform. Past the dominant token, 1 + 1e-8 rounds to 1."""
     cdf = np.cumsum(row.numpy().astype(np.float32), dtype=np.float32)
     u = torch.rand(total, generator=gen).numpy() * cdf[-1]
     ids = np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
     return np.bincount(ids, minlength=len(cdf))
 
 
+def test_tail_window_rejects_half_and_double_the_rate():
+    """The power of the tail test, computed: half or twice the true tail rate falls outside
+    the window with probability >= 0.99."""
+    _, tail_mass = tail_row()
+    mean = TAIL_DRAWS * tail_mass
+    window = tail_window()
+    assert poisson_power(window, mean / 2) >= 0.99
+    assert poisson_power(window, mean * 2) >= 0.99
+    assert poisson_power(window, mean) <= 1e-6
+
+
 def test_tail_mass_inverse_cdf():
     gen = torch.Generator().manual_seed(99)
     row, tail_mass = tail_row()
-    total = 160_000
-    lo, hi = poisson_bounds(total * tail_mass)
-    hits = tail_hits(sampler("inverse_cdf", gen), row, total, chunk=4096)
-    assert lo <= hits <= hi, f"{hits} tail draws, expected {total * tail_mass:.0f} [{lo}, {hi}]"
-    # Negative control: the same bounds reject the flat float32 cumsum.
-    bad = int(flat_float32_inverse_cdf(row, total, gen)[1:].sum())
+    lo, hi = tail_window()
+    hits = tail_hits(sampler("inverse_cdf", gen), row, TAIL_DRAWS, chunk=4096)
+    expected = TAIL_DRAWS * tail_mass
+    assert lo <= hits <= hi, f"{hits} tail draws, expected {expected:.0f} [{lo}, {hi}]"
+    # Negative controls, judged by the same window: a sampler drawing the tail at half its
+    # rate (the same draws with each tail hit kept with probability 1/2: exactly the count
+    # such a sampler gives), and the flat float32 cumsum.
+    half = int(np.random.default_rng(7).binomial(hits, 0.5))
+    assert not lo <= half <= hi
+    bad = int(flat_float32_inverse_cdf(row, TAIL_DRAWS, gen)[1:].sum())
     assert not lo <= bad <= hi
 
 
@@ -225,10 +273,10 @@ def test_tail_mass_inverse_cdf():
 )
 def test_tail_mass_race_cuda():
     gen = torch.Generator(device="cuda").manual_seed(99)
-    row, tail_mass = tail_row()
+    row, _ = tail_row()
     row = row.cuda()
-    total = 160_000
-    lo, hi = poisson_bounds(total * tail_mass)
+    total = TAIL_DRAWS
+    lo, hi = tail_window()
 
     def race(batch):
         return fs.sample_from_probs(batch, 1, generator=gen, method="race").token_ids
@@ -245,35 +293,59 @@ def test_tail_mass_race_cuda():
 # --- zero-probability tokens --------------------------------------------------------------
 
 
+def zero_row() -> torch.Tensor:
+    row = torch.zeros(600, dtype=torch.float32)  # spans three blocks, one of them short
+    row[1::3] = 1e-30  # tiny, next to zeros
+    row[2::7] = 1.0
+    row[599] = 0.0
+    return row
+
+
+def zero_hits(draw, row: torch.Tensor, target: int) -> int:
+    """The zero-weight procedure: pairs drawn without replacement from ``row`` repeated
+    50,000 times per call until ``target`` tokens are drawn; the draws of zero weights."""
+    zeros = (row == 0).numpy()
+    draws = hits = 0
+    while draws < target:
+        ids = draw(row.expand(50_000, -1))
+        hits += int(zeros[ids.numpy()].sum())
+        draws += ids.numel()
+    return hits
+
+
+def pair_sampler(method: str, gen: torch.Generator):
+    def draw(batch: torch.Tensor) -> torch.Tensor:
+        out = fs.sample_from_probs(batch, 2, generator=gen, method=method)
+        assert bool(out.valid.all())
+        return out.token_ids
+
+    return draw
+
+
+ZERO_TARGET = {"inverse_cdf": 2_000_000, "race": 1_000_000}
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_zero_probability_never_drawn(method):
     """Millions of draws from rows whose zeros sit next to tiny and huge weights."""
     gen = torch.Generator().manual_seed(17)
-    vocab = 600  # spans three blocks, one of them short
-    row = torch.zeros(vocab, dtype=torch.float32)
-    row[1::3] = 1e-30  # tiny, next to zeros
-    row[2::7] = 1.0
-    row[vocab - 1] = 0.0
-    zeros = (row == 0).numpy()
-    draws = 0
-    target = 2_000_000 if method == "inverse_cdf" else 1_000_000
-    hits = 0
-    while draws < target:
-        ids = fs.sample_from_probs(row.expand(50_000, -1), 2, generator=gen, method=method)
-        assert bool(ids.valid.all())
-        hits += int(zeros[ids.token_ids.numpy()].sum())
-        draws += ids.token_ids.numel()
-    assert hits == 0
+    assert zero_hits(pair_sampler(method, gen), zero_row(), ZERO_TARGET[method]) == 0
 
 
 def test_zero_probability_check_rejects_leaky_sampler():
-    """Negative control: a sampler leaking 2% of the mass uniformly is caught at once."""
+    """Negative control: the same procedure, at its size, catches a sampler that leaks one
+    draw in 100,000 onto a zero weight (the real sampler, its ids moved one place right
+    with that probability: 1e-30 and 1.0 entries sit next to zeros)."""
     gen = torch.Generator().manual_seed(18)
-    row = torch.zeros(600)
-    row[2::7] = 1.0
-    leaky = row / row.sum() * 0.98 + 0.02 / row.numel()
-    ids = fs.sample_from_probs(leaky.expand(50_000, -1), 1, generator=gen).token_ids
-    assert int((row[ids] == 0).sum()) > 0
+    real = pair_sampler("race", gen)
+    leak = torch.Generator().manual_seed(19)
+
+    def leaky(batch):
+        ids = real(batch)
+        moved = torch.rand(ids.shape, generator=leak) < 1e-5
+        return torch.where(moved, (ids + 1) % batch.shape[1], ids)
+
+    assert zero_hits(leaky, zero_row(), ZERO_TARGET["race"]) > 0
 
 
 @pytest.mark.parametrize("method", METHODS)
