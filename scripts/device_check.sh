@@ -2,7 +2,8 @@
 # One prepared run for a machine with a CUDA GPU: the CUDA tests (graph capture under
 # sync-debug "error", the race's far-tail test, CPU/CUDA Philox agreement), the self-check
 # and the GPU benchmark. Writes logs and the benchmark JSON to ${OUT:-./device-out}.
-# Usage: bash scripts/device_check.sh   (about 5-8 minutes on an H200, install included)
+# Usage: bash scripts/device_check.sh   (aim: under 8 minutes on an H200, install included;
+# not yet run with the Triton backend, so the first run should leave room for a rerun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./device-out}"
@@ -16,7 +17,11 @@ python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null \
 pip install --quiet -e ".[test]" 2>&1 | tail -2
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/device.txt"
 
-# CUDA tests only (everything else runs in CI on CPU).
+# CUDA tests only (everything else runs in CI on CPU). FASTSAMPLE_BACKEND=auto takes the
+# Triton kernels for CUDA tensors, so these hold the kernels to graph capture under
+# sync-debug "error"; the torch ops are checked once more with FASTSAMPLE_BACKEND=torch.
+FASTSAMPLE_BACKEND=torch timeout 150 python -m pytest -q -rs tests/test_cuda_graphs.py 2>&1 \
+    | tee "$OUT/cuda-tests-torch-backend.txt" || status=1
 timeout 300 python -m pytest -q -rs tests/test_cuda_graphs.py tests/ops/test_philox.py \
     tests/ops/test_seeds.py tests/test_exactness.py tests/test_bad_input.py \
     -k "cuda or capture or graph or device_mismatch" 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
@@ -37,4 +42,13 @@ timeout 200 python -m fastsample bench --controls --device cuda --json "$OUT/ben
     2>&1 | tee "$OUT/bench-controls-cuda.txt" || status=1
 timeout 200 python -m fastsample bench --verify --device cuda --json "$OUT/bench-verify-cuda.json" \
     2>&1 | tee "$OUT/bench-verify-cuda.txt" || status=1
+
+# The Triton backend on the GPU: device work per call, then graph-captured timings of the
+# samplers and of verification against torch.multinomial, the seed's race, one read pass,
+# the torch ops and FlashInfer (when it imports).
+timeout 120 python -m fastsample bench --launches --device cuda 2>&1 | tee "$OUT/launches-cuda.txt" || status=1
+timeout 150 python -m fastsample.tools.bench.sampling_cuda --repeats 10 --json "$OUT/sampling-cuda.json" \
+    2>&1 | tee "$OUT/sampling-cuda.txt" || status=1
+timeout 120 python -m fastsample.tools.bench.verify_cuda --repeats 10 --json "$OUT/verify-cuda.json" \
+    2>&1 | tee "$OUT/verify-cuda.txt" || status=1
 exit $status

@@ -21,9 +21,7 @@ Table columns: call, backend, aten ops, kernels, total.
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # The samplers from their module, not the package: tools sit below fastsample/__init__.
 from ... import sampling as fs
+from .cuda_graphs import backend
 
 _ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 
@@ -81,20 +80,6 @@ def device_work(call: Callable[[], object]) -> Work:
     with _AtenCounter() as counter:
         call()
     return Work(len(counter.names), _kernel_launches() - before, tuple(counter.names))
-
-
-@contextmanager
-def backend(name: str) -> Iterator[None]:
-    """``FASTSAMPLE_BACKEND=name`` for the duration (restored after)."""
-    old = os.environ.get("FASTSAMPLE_BACKEND")
-    os.environ["FASTSAMPLE_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FASTSAMPLE_BACKEND"]
-        else:
-            os.environ["FASTSAMPLE_BACKEND"] = old
 
 
 def public_calls(

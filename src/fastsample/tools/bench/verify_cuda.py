@@ -22,63 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
 from ... import verify as fs
+from .cuda_graphs import backend, graph_time
 
 BATCHES = (1, 8, 64)
 VOCABS = (32000, 128256)
 K = 4
 # An EAGLE-style tree of 17 nodes: 4 first tokens, then chains and small fans (depth 4).
 TREE_17 = [-1, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 5, 5, 8, 11, 11, 13]
-
-
-@contextmanager
-def backend(name: str) -> Iterator[None]:
-    old = os.environ.get("FASTSAMPLE_BACKEND")
-    os.environ["FASTSAMPLE_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("FASTSAMPLE_BACKEND", None)
-        else:
-            os.environ["FASTSAMPLE_BACKEND"] = old
-
-
-def graph_time(fn: Callable[[], object], repeats: int) -> tuple[float, bool]:
-    """Median microseconds per call of ``fn`` replayed in a CUDA graph; ``(time, captured)``.
-    Falls back to eager timing when capture fails (the call syncs or is not capturable)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up: compilation, cached device constants
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception:  # not capturable: time it eagerly instead
-        graph = None
-        torch.cuda.synchronize()
-    run = graph.replay if graph is not None else fn
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 100.0)  # ms per 10 calls -> us per call
-    return statistics.median(times), graph is not None
 
 
 def flashinfer_chain() -> Callable | None:
