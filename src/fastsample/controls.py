@@ -21,8 +21,9 @@ set is ``{i : w_i >= max(cut_k, cut_p, cut_min)}`` and every cut is exact on tho
 (:mod:`fastsample.ops.cuts`, :mod:`fastsample.ops.select`); logits that round to the same
 weight are ties. ``-inf`` logits (grammar or bad-word masks) get weight 0 and are never drawn.
 
-:func:`fastsample.sample` with a small Python ``top_k`` on logits (not float64) skips these
-weights altogether (:mod:`fastsample.ops.small_top_k`), with the same draws (bitwise on CPU).
+:func:`fastsample.sample` with a small ``top_k`` on logits (not float64; a Python int, or on
+CPU a ``(B,)`` tensor with top-k on in every row) skips these weights altogether
+(:mod:`fastsample.ops.small_top_k`), with the same draws (bitwise on CPU).
 
 Controls are Python scalars (checked here; an off value skips its stage entirely) or
 ``(B,)`` tensors (every stage runs, values can change between calls without a recompile;
