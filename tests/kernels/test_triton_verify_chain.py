@@ -15,7 +15,9 @@ import triton
 import triton.language as tl
 
 import fastsample as fs
+from fastsample.kernels import launch
 from fastsample.kernels import verify_chain as kc
+from fastsample.kernels.philox import INTERPRETED
 from fastsample.ops.seeds import CounterSource, Purpose, Stream
 from fastsample.verify import chain as chain_mod
 from launch_budget import device_work
@@ -140,7 +142,7 @@ def test_acceptance_recovery_bonus_uniform_bits_identical():
     step = torch.randint(0, 2**40, (6,), generator=gen)
     seed[:2] = torch.tensor([0, -1])
     out = torch.empty(6, 3, 16, dtype=torch.float64)
-    _streams_kernel[(6,)](seed, step, out, WIDTH=16)
+    launch.launcher(_streams_kernel, INTERPRETED)[(6,)](seed, step, out, WIDTH=16)
     for i, stream in enumerate((Stream.ACCEPT, Stream.RECOVERY, Stream.BONUS)):
         source = CounterSource(seed, step, torch.full((6,), int(stream)))
         assert torch.equal(out[:, i], source.uniforms(Purpose.DRAW, 0, 16))
