@@ -59,3 +59,22 @@ def graph_time(fn: Callable[[], object], repeats: int) -> tuple[float, bool]:
         end.synchronize()
         times.append(start.elapsed_time(end) * 100.0)  # ms per 10 calls -> us per call
     return statistics.median(times), graph is not None
+
+
+def time_contenders(
+    contenders: list[tuple[str, str, Callable[[], object]]], batch: int, vocab: int, repeats: int
+) -> list[dict]:
+    """One row per ``(label, backend, call)``: its graph-replayed time under that backend
+    (``"-"``: not fastsample, run under ``auto``), or the error it raised, which is reported
+    instead of ending the run."""
+    rows = []
+    for label, name, fn in contenders:
+        row: dict = {"call": label, "backend": name, "B": batch, "V": vocab}
+        with backend(name if name != "-" else "auto"):
+            try:
+                micros, captured = graph_time(fn, repeats)
+            except Exception as error:
+                rows.append({**row, "error": f"{type(error).__name__}: {error}"})
+                continue
+        rows.append({**row, "us": round(micros, 2), "graph": captured})
+    return rows

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from ... import sampling as fs
-from .cuda_graphs import backend, graph_time
+from .cuda_graphs import time_contenders
 
 BATCHES = (1, 8, 64, 256)
 VOCABS = (32000, 128256)
@@ -92,17 +92,7 @@ def case(batch: int, vocab: int, repeats: int) -> list[dict]:
         (label, "-", fn)
         for label, fn in flashinfer_calls(probs, logits, top_k.to(torch.int32), top_p)
     ]
-    rows = []
-    for label, name, fn in contenders:
-        with backend(name if name != "-" else "auto"):
-            try:
-                micros, captured = graph_time(fn, repeats)
-            except Exception as error:  # report, do not abort the other contenders
-                rows.append({"call": label, "backend": name, "B": batch, "V": vocab,
-                             "error": f"{type(error).__name__}: {error}"})  # fmt: skip
-                continue
-        rows.append({"call": label, "backend": name, "B": batch, "V": vocab,
-                     "us": round(micros, 2), "graph": captured})  # fmt: skip
+    rows = time_contenders(contenders, batch, vocab, repeats)
     floor = next((r["us"] for r in rows if r["call"].startswith("read pass") and "us" in r), None)
     for row in rows:
         if floor and "us" in row:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ... import verify as fs
-from .cuda_graphs import backend, graph_time
+from .cuda_graphs import time_contenders
 
 BATCHES = (1, 8, 64)
 VOCABS = (32000, 128256)
@@ -86,18 +86,7 @@ def case(batch: int, vocab: int, repeats: int) -> list[dict]:
             ("flashinfer chain_speculative_sampling K=4", "-",
              lambda: chain_kernel(draft, ids32, target)),
         )  # fmt: skip
-    rows = []
-    for label, name, fn in contenders:
-        with backend(name if name != "-" else "auto"):
-            try:
-                micros, captured = graph_time(fn, repeats)
-            except Exception as error:  # report, do not abort the other contenders
-                rows.append({"call": label, "backend": name, "B": batch, "V": vocab,
-                             "error": f"{type(error).__name__}: {error}"})  # fmt: skip
-                continue
-        rows.append({"call": label, "backend": name, "B": batch, "V": vocab,
-                     "us": round(micros, 2), "graph": captured})  # fmt: skip
-    return rows
+    return time_contenders(contenders, batch, vocab, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
