@@ -9,6 +9,7 @@ ties kept), then min-p relative to the largest probability; greedy for temperatu
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def reference_probs(
@@ -74,3 +75,24 @@ def robust_min_p(weights: np.ndarray, rng: np.random.Generator) -> float:
         return 0.0
     j = int(rng.choice(usable))
     return float((ratios[j] + ratios[j + 1]) / 2)
+
+
+# ---- exact thresholds (tests/ops/test_select.py, tests/kernels/test_triton_select.py)
+
+
+def threshold_rows(dtype: torch.dtype, vocab: int, seed: int) -> torch.Tensor:
+    """Non-negative test rows for threshold selection: continuous, heavy ties, mostly zeros,
+    tiny values, nearly flat."""
+    gen = torch.Generator().manual_seed(seed)
+    continuous = torch.rand(vocab, generator=gen, dtype=torch.float64) ** 4
+    ties = torch.randint(0, 4, (vocab,), generator=gen).double() / 4
+    zeros = torch.where(torch.rand(vocab, generator=gen) < 0.7, 0.0, continuous)
+    tiny = continuous * 1e-30
+    flat = 0.5 + torch.rand(vocab, generator=gen, dtype=torch.float64) * 1e-6
+    return torch.stack([continuous, ties, zeros, tiny, flat]).to(dtype)
+
+
+def reference_threshold(row: np.ndarray, target: float, by: str) -> float:
+    ranked = np.sort(row)[::-1]
+    amounts = np.cumsum(np.ones_like(ranked) if by == "count" else ranked)
+    return float(ranked[int(np.argmax(amounts >= target))])

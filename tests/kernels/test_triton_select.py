@@ -13,26 +13,10 @@ pytest.importorskip("triton")
 from fastsample.kernels import select as ks
 from fastsample.kernels.philox import INTERPRETED
 from fastsample.ops.select import descending_threshold
+from reference import reference_threshold, threshold_rows
 
 if not INTERPRETED:  # a CUDA machine without TRITON_INTERPRET: these tests use CPU tensors
     pytest.skip("CPU tensors need the interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
-
-
-def rows(dtype: torch.dtype, vocab: int, seed: int) -> torch.Tensor:
-    """Non-negative rows: continuous, heavy ties, mostly zeros, tiny values, nearly flat."""
-    gen = torch.Generator().manual_seed(seed)
-    continuous = torch.rand(vocab, generator=gen, dtype=torch.float64) ** 4
-    ties = torch.randint(0, 4, (vocab,), generator=gen).double() / 4
-    zeros = torch.where(torch.rand(vocab, generator=gen) < 0.7, 0.0, continuous)
-    tiny = continuous * 1e-30
-    flat = 0.5 + torch.rand(vocab, generator=gen, dtype=torch.float64) * 1e-6
-    return torch.stack([continuous, ties, zeros, tiny, flat]).to(dtype)
-
-
-def reference_threshold(row: np.ndarray, target: float, by: str) -> float:
-    ranked = np.sort(row)[::-1]
-    amounts = np.cumsum(np.ones_like(ranked) if by == "count" else ranked)
-    return float(ranked[int(np.argmax(amounts >= target))])
 
 
 def near_boundary(row: np.ndarray, target: float) -> bool:
@@ -44,7 +28,7 @@ def near_boundary(row: np.ndarray, target: float) -> bool:
 @pytest.mark.parametrize("by", ["count", "mass", "share"])
 def test_threshold_matches_torch_radix_and_sorting(dtype, by):
     # 700: not a multiple of any tile; the row is read in one tile here and in 512s on a GPU.
-    values = rows(dtype, 700, seed=1)
+    values = threshold_rows(dtype, 700, seed=1)
     gen = np.random.default_rng(2)
     for _ in range(2):
         if by == "count":
@@ -71,7 +55,7 @@ def test_threshold_matches_torch_radix_and_sorting(dtype, by):
 
 def test_tiles_of_a_long_row_give_the_same_thresholds(monkeypatch):
     """A row read in several tiles (the GPU layout) gives the one-tile answer, bitwise."""
-    values = rows(torch.float32, 1500, seed=3)
+    values = threshold_rows(torch.float32, 1500, seed=3)
     target = torch.tensor([3.0, 40.0, 1500.0, 777.0, 1.0], dtype=torch.float64)
     whole = ks.descending_threshold(values, target, "count")
     shares = torch.tensor([0.3, 0.9, 0.5, 0.99, 0.01], dtype=torch.float64)

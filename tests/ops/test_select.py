@@ -16,23 +16,7 @@ from fastsample.ops.select import (
     largest_entries,
     top_entries,
 )
-
-
-def rows(dtype: torch.dtype, vocab: int, seed: int) -> torch.Tensor:
-    """Non-negative rows: continuous, heavy ties, zeros, tiny denormal-range values, flat."""
-    gen = torch.Generator().manual_seed(seed)
-    continuous = torch.rand(vocab, generator=gen, dtype=torch.float64) ** 4
-    ties = torch.randint(0, 4, (vocab,), generator=gen).double() / 4
-    zeros = torch.where(torch.rand(vocab, generator=gen) < 0.7, 0.0, continuous)
-    tiny = continuous * 1e-30
-    flat = 0.5 + torch.rand(vocab, generator=gen, dtype=torch.float64) * 1e-6
-    return torch.stack([continuous, ties, zeros, tiny, flat]).to(dtype)
-
-
-def reference_threshold(row: np.ndarray, target: float, by: str) -> float:
-    ranked = np.sort(row)[::-1]
-    amounts = np.cumsum(np.ones_like(ranked) if by == "count" else ranked)
-    return float(ranked[int(np.argmax(amounts >= target))])
+from reference import reference_threshold, threshold_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -41,7 +25,7 @@ def reference_threshold(row: np.ndarray, target: float, by: str) -> float:
     "method", ["radix", "radix_wide_chunked", "radix_int64_keys", "bisect", "sorted"]
 )
 def test_threshold_matches_sorting(dtype, by, method, monkeypatch):
-    values = rows(dtype, 1000, seed=1)
+    values = threshold_rows(dtype, 1000, seed=1)
     gen = np.random.default_rng(2)
     select = _bisect_threshold if method == "bisect" else descending_threshold
     if method == "sorted":  # the short-row path, on rows of 1000
