@@ -22,7 +22,7 @@ import fastsample as fs
 import fastsample.ops.cuts
 import fastsample.ops.select
 from reference import reference_probs, robust_min_p, robust_top_p
-from stattests import assert_law, law_rejected, mid_mass_biased, parity_biased
+from stattests import LawCase, assert_law, law_rejected, mid_mass_biased, parity_biased
 
 KINDS = ("peaked", "flat", "ties", "masked", "equal", "single")
 DRAWS = 60000  # draws per configuration
@@ -519,3 +519,13 @@ def test_inductor_compiled_sample_matches_eager():
     assert torch.equal(got.token_ids, want.token_ids)
     assert torch.equal(got.valid, want.valid)
     torch.testing.assert_close(got.probs, want.probs, rtol=1e-5, atol=0)
+
+
+def law_cases():
+    """test_sample_frequencies_match_reference's laws (tests/test_power.py checks them)."""
+    for seed, which in ((6, "tensor"), (5, "scalar")):
+        xs, controls = make_batch(24, 8, seed=seed, greedy_ok=False)
+        for row, (x, c) in enumerate(zip(xs, controls, strict=True)):
+            law = reference_probs(x, *c)
+            gap = "gap (issue 18): below the target at this size"
+            yield LawCase(f"controls {which} V=24 row {row}", law, DRAWS, CLAIM, gap)

@@ -19,6 +19,7 @@ import torch
 
 import fastsample as fs
 from stattests import (
+    LawCase,
     assert_law,
     count_draws,
     law_rejected,
@@ -352,7 +353,7 @@ def test_zero_probability_check_rejects_leaky_sampler():
 def test_all_tokens_drawn_is_a_permutation(method):
     """num_samples == V: every row comes out as a permutation, first slot by its law."""
     gen = torch.Generator().manual_seed(31)
-    row = torch.tensor([0.5, 0.1, 0.25, 0.15, 0.0001])
+    row = torch.tensor(PERMUTATION_ROW)
     ids = fs.sample_from_probs(row.expand(100_000, -1), 5, generator=gen, method=method)
     assert bool(ids.valid.all())
     assert torch.equal(ids.token_ids.sort(-1).values, torch.arange(5).expand(100_000, -1))
@@ -369,3 +370,29 @@ def test_float64_weights_below_float32_range(method):
     assert bool(out.valid.all())
     counts = np.bincount(out.token_ids[:, 0].numpy(), minlength=5)
     assert_law(counts, row.numpy(), what=f"{method} float64 tiny weights")
+
+
+# --- the registry (tests/test_power.py checks each claim) ---------------------------------
+
+PERMUTATION_ROW = [0.5, 0.1, 0.25, 0.15, 0.0001]  # test_all_tokens_drawn_is_a_permutation
+GAP = "gap (issue 18): below the target at this size"
+
+
+def _joint_law(n: int):
+    tuples = all_ordered_tuples(len(JOINT_ROW), n)
+    return plackett_luce(np.array(JOINT_ROW), tuples)
+
+
+def law_cases():
+    for kind, vocab, dtype, draws in CASES:
+        claim = {256: 0.05, 1000: 0.05, 4099: 0.05}.get(vocab, 0.02 if vocab <= 1000 else 0.10)
+        law = case_row(kind, vocab, dtype).double().numpy()
+        gap = GAP if vocab in (256, 1000) else ""
+        yield LawCase(f"single draw {kind} V={vocab}", law, draws, claim, gap)
+    for n in (2, 3):
+        claim = 0.07 if n == 2 else 0.09
+        yield LawCase(f"joint n={n}", _joint_law(n), JOINT_DRAWS, claim, GAP)
+    yield LawCase("fast_sample joint n=3", _joint_law(3), JOINT_DRAWS, 0.09, GAP)
+    yield LawCase("first of a full permutation", np.array(PERMUTATION_ROW), 100_000, 0.09, GAP)
+    tiny = np.array([1.0, 2.0, 0.0, 3.0, 4e-10])
+    yield LawCase("float64 tiny weights", tiny, 200_000, 0.05, GAP)
