@@ -21,15 +21,14 @@ import torch._dynamo.testing
 import fastsample as fs
 import fastsample.ops.cuts
 import fastsample.ops.select
+from fastsample.ops.threads import one_thread
 from reference import reference_probs, robust_min_p, robust_top_p
 from stattests import LawCase, assert_law, law_rejected, mid_mass_biased, parity_biased
 
 KINDS = ("peaked", "flat", "ties", "masked", "equal", "single")
-DRAWS = 60000  # draws per configuration
-# The relative bias on 10% of the mass DRAWS detect with probability 0.99 at p < 1e-6, for
-# the worst configuration at V=24 (tests/test_power.py computes it). A named gap: 2% would
-# take about 3 million draws per configuration.
-CLAIM = 0.17
+CLAIM = 0.02  # the relative bias on 10% of the mass each frequency test detects (p < 1e-6)
+# Draws per row of the tests that import it (tests/ops/test_small_top_k.py).
+DRAWS = 60000
 
 
 def make_logits(kind: str, vocab: int, rng: np.random.Generator) -> np.ndarray:
@@ -196,27 +195,38 @@ def test_far_tail_survives_cut_stages_down_to_the_documented_floor():
 # ----------------------------------------------------------------------------- sampling
 
 
-def draw_counts(x: torch.Tensor, controls, draws: int, *, scalar: bool, is_logits=True):
-    """Token counts per configuration: each config row repeated ``draws`` times, one seed
-    per draw, in chunks of 4096 rows."""
+def draw_counts(x: torch.Tensor, controls, draws, *, scalar: bool, is_logits=True, step=5):
+    """Token counts per configuration (row of ``x``): ``draws[r]`` (or ``draws``) single draws
+    of row ``r``, one seed per draw, in calls of up to ``CHUNK`` rows. Tensor controls: the
+    configurations share each call, every row carrying its own values; Python scalars: one
+    configuration per call. On one thread: chains of small ops over a few thousand rows
+    stall in torch's parallel regions on a busy machine (fastsample.ops.threads), 5x here."""
+    with one_thread(x.device):
+        return _draw_counts(x, controls, draws, scalar, is_logits, step)
+
+
+def _draw_counts(x, controls, draws, scalar, is_logits, step) -> np.ndarray:
     rows, vocab = x.shape
-    counts = np.zeros((rows, vocab))
-    chunk = 4096
-    for r in range(rows):
-        t, k, p, m = controls[r]
-        for start in range(0, draws, chunk):
-            b = min(chunk, draws - start)
-            seeds = torch.arange(start, start + b, dtype=torch.int64) + 1_000_003 * r
-            data = x[r : r + 1].expand(b, -1)
+    draws = np.broadcast_to(np.asarray(draws, dtype=np.int64), (rows,))
+    ends = torch.tensor(np.cumsum(draws))
+    counts = torch.zeros(rows * vocab, dtype=torch.int64)
+    spans = [(int(e - n), int(e)) for e, n in zip(ends, draws, strict=True)]
+    for first, last in spans if scalar else [(0, int(ends[-1]))]:
+        for start in range(first, last, CHUNK):
+            draw = torch.arange(start, min(start + CHUNK, last))
+            which = torch.searchsorted(ends, draw, right=True)  # the configuration of each
             if scalar:
+                t, k, p, m = controls[int(which[0])]
                 ctl = dict(temperature=t, top_k=k, top_p=p, min_p=m)
+                data = x[which[:1]].expand(len(draw), -1)
             else:
-                ctl = {n: v.expand(b) for n, v in as_tensors([controls[r]]).items()}
+                ctl = {n: v[which] for n, v in as_tensors(controls).items()}
+                data = x[which]
             src = {"logits": data} if is_logits else {"probs": data}
-            out = fs.sample(**src, seed=seeds, step=5, **ctl)
+            out = fs.sample(**src, seed=draw, step=step, **ctl)
             assert out.valid.all()
-            counts[r] += np.bincount(out.token_ids[:, 0].numpy(), minlength=vocab)
-    return counts
+            counts += torch.bincount(which * vocab + out.token_ids[:, 0], minlength=rows * vocab)
+    return counts.view(rows, vocab).numpy()
 
 
 def assert_sampler_exact(counts: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -226,11 +236,79 @@ def assert_sampler_exact(counts: np.ndarray, want: np.ndarray, what: str) -> Non
         assert (counts[row][likely] > 0).all(), f"{what} row {row}: a likely token never drawn"
 
 
+def top_p_keeping(weights: np.ndarray, values: int) -> float:
+    """A top_p keeping the ``values`` most likely distinct values of ``weights`` (all of them
+    if there are fewer), halfway between two cumulative masses (robust to rounding)."""
+    ranked = np.sort(weights[weights > 0])[::-1]
+    last = np.flatnonzero(np.append(ranked[1:] != ranked[:-1], True))
+    masses = np.append(0.0, np.cumsum(ranked)[last] / weights.sum())
+    n = min(values, len(masses) - 1)
+    assert masses[n] - masses[n - 1] > 1e-4 and (n == values or n == len(masses) - 1)
+    return float((masses[n - 1] + masses[n]) / 2)
+
+
+def min_p_keeping(weights: np.ndarray, values: int) -> float:
+    """A min_p keeping the ``values`` largest distinct weights, halfway between two ratios to
+    the largest (well apart: the plans' logits have no near ties)."""
+    ratios = np.append(np.unique(weights[weights > 0] / weights.max())[::-1], 0.0)
+    n = min(values, len(ratios) - 1)
+    assert ratios[n - 1] - ratios[n] > 1e-4 * ratios[n - 1]
+    return float((ratios[n - 1] + ratios[n]) / 2)
+
+
+V = 24
+# One configuration of each kind per variant: (kind, temperature, top_k, distinct values
+# top-p keeps of the top-k survivors, distinct values min-p keeps (0: off), draws). Each
+# variant has every control; ties at a top-k cut (tensor) and a top-p cut (scalar); top-k
+# and top-p where top-p on the whole row would keep other tokens (tensor flat, scalar
+# masked: the negative control's classic bug); top_k > V. The draws are
+# stattests.draws_needed(law, CLAIM) (2% at V <= 1,000; tests/test_power.py checks them):
+# fewer, smaller supports cost fewer draws (3 tokens 0.9-1.9M, 24 equal ones 3M).
+PLANS = {
+    "tensor": (
+        ("peaked", 0.5, 8, 3, 0, 1_913_000),
+        ("flat", 1.7, 8, 4, 0, 844_000),
+        ("ties", 1.0, 3, 0, 0, 979_000),
+        ("masked", 1.0, V + 3, 5, 4, 937_000),
+        ("equal", 0.5, 3, 1, 0, 2_959_000),
+        ("single", 1.7, 2, 1, 1, 1_000),
+    ),
+    "scalar": (
+        ("peaked", 1.0, 0, 4, 0, 1_629_000),
+        ("flat", 0.5, 5, 0, 3, 685_000),
+        ("ties", 1.7, 0, 1, 0, 1_368_000),
+        ("masked", 0.5, 4, 3, 0, 858_000),
+        ("equal", 1.0, 0, 1, 1, 2_959_000),
+        ("single", 0.5, V + 3, 0, 0, 1_000),
+    ),
+}
+CHUNK = 1 << 14  # rows per sampling call
+VARIANT_SEEDS = {"tensor": 6, "scalar": 5}
+
+
+def configurations(variant: str):
+    """``(xs, controls, laws, draws)`` of a variant's plan: float64 logits ``(6, V)``, the
+    controls, the reference laws and the draws per configuration."""
+    rng = np.random.default_rng(VARIANT_SEEDS[variant])
+    xs, controls = [], []
+    for kind, t, k, p_values, min_p_values, _ in PLANS[variant]:
+        x = make_logits(kind, V, rng)
+        p = top_p_keeping(reference_probs(x, t, k), p_values) if p_values else 1.0
+        weights = np.exp((x - x.max()) / t)
+        m = min_p_keeping(weights, min_p_values) if min_p_values else 0.0
+        xs.append(x)
+        controls.append((t, k, p, m))
+    draws = [plan[-1] for plan in PLANS[variant]]
+    return np.stack(xs), controls, reference_rows(xs, controls), draws
+
+
 @pytest.mark.parametrize("scalar", [False, True], ids=["tensor_controls", "scalar_controls"])
 def test_sample_frequencies_match_reference(scalar):
-    xs, controls = make_batch(24, 8, seed=5 if scalar else 6, greedy_ok=False)
-    counts = draw_counts(torch.tensor(xs, dtype=torch.float32), controls, DRAWS, scalar=scalar)
-    assert_sampler_exact(counts, reference_rows(xs, controls), "scalar" if scalar else "tensor")
+    variant = "scalar" if scalar else "tensor"
+    xs, controls, want, draws = configurations(variant)
+    x = torch.tensor(xs, dtype=torch.float32)
+    counts = draw_counts(x, controls, draws, scalar=scalar, step=5 if scalar else 6)
+    assert_sampler_exact(counts, want, variant)
 
 
 def test_sample_frequencies_many_blocks_and_probs_input():
@@ -255,23 +333,25 @@ def test_sample_frequencies_many_blocks_and_probs_input():
 
 
 def test_negative_controls_are_rejected():
-    """At the test's size, the exactness test catches top-p taken before the top-k cut, a
-    bias on the mid-mass tokens (1.5x the claimed detectable bias), even-index tokens x1.5
-    and ids one place off; it passes the real sampler."""
+    """At each configuration's size, the frequency test rejects top-p taken before the top-k
+    cut (where it changes the law), a bias on the mid-mass tokens (1.5x CLAIM), even-index
+    tokens x1.5 and ids one place off. The wrong laws' counts are drawn by numpy's multinomial
+    (the same law as counting that many single draws); the real sampler's counts at these
+    sizes pass: test_sample_frequencies_match_reference."""
     rng = np.random.default_rng(21)
-    x = rng.normal(size=16) * 1.5
-    t, k = 1.0, 12
-    p = robust_top_p(reference_probs(x, t, k), rng)
-    want = reference_probs(x, t, k, p)
-    buggy = reference_probs(x, t, k, p, top_p_on_all=True)
-    assert not np.array_equal(buggy > 0, want > 0)
-    for wrong in (buggy, mid_mass_biased(want, 1.5 * CLAIM), parity_biased(want)):
-        probs = torch.tensor(wrong, dtype=torch.float64)[None]
-        counts = draw_counts(probs, [(1.0, 0, 1.0, 0.0)], DRAWS, scalar=True, is_logits=False)
-        assert law_rejected(counts[0], want)
-    right = draw_counts(torch.tensor(x[None]), [(t, k, p, 0.0)], DRAWS, scalar=True)
-    assert not law_rejected(right[0], want)
-    assert law_rejected(np.roll(right[0], 1), want)  # the same draws, reported one id off
+    for variant in PLANS:
+        xs, controls, want, draws = configurations(variant)
+        top_p_bugs, rejected = 0, 0
+        for x, c, law, n in zip(xs, controls, want, draws, strict=True):
+            buggy = reference_probs(x, *c, top_p_on_all=True)
+            top_p_bugs += not np.allclose(buggy, law)
+            wrongs = (buggy, mid_mass_biased(law, 1.5 * CLAIM), parity_biased(law), np.roll(law, 1))
+            for wrong in wrongs:
+                if not np.allclose(wrong, law, rtol=0, atol=1e-12):  # else it is no bug here
+                    assert law_rejected(rng.multinomial(n, wrong), law), f"{variant} {c}"
+                    rejected += 1
+        assert top_p_bugs >= 1, f"{variant}: no configuration where the classic bug shows"
+        assert rejected >= 3 * (len(PLANS[variant]) - 1), variant  # all but the single token
 
 
 # ----------------------------------------------------------------------------- greedy, logprobs
@@ -523,9 +603,7 @@ def test_inductor_compiled_sample_matches_eager():
 
 def law_cases():
     """test_sample_frequencies_match_reference's laws (tests/test_power.py checks them)."""
-    for seed, which in ((6, "tensor"), (5, "scalar")):
-        xs, controls = make_batch(24, 8, seed=seed, greedy_ok=False)
-        for row, (x, c) in enumerate(zip(xs, controls, strict=True)):
-            law = reference_probs(x, *c)
-            gap = "gap (issue 18): below the target at this size"
-            yield LawCase(f"controls {which} V=24 row {row}", law, DRAWS, CLAIM, gap)
+    for variant in PLANS:
+        _, _, want, draws = configurations(variant)
+        for (kind, *_), law, n in zip(PLANS[variant], want, draws, strict=True):
+            yield LawCase(f"controls {variant} V={V} {kind}", law, n, CLAIM)
