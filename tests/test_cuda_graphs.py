@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fastsample as fs
-from stattests import assert_law
+from reference import reference_probs
+from stattests import LawCase, assert_law
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -41,26 +42,39 @@ SAMPLERS = {
 }
 
 
+# Replays per law: batch x replays is stattests.draws_needed(law, target) for each law below
+# (2% at V <= 1,000, 5% at V = 1,024; tests/test_power.py checks them). A replay costs tens
+# of microseconds on a GPU: about 11,000 replays in all.
+REPLAY_BATCH, REPLAYS = 4096, 1135  # 4.65M draws per row of V=50
+CONTROLS_BATCH, CONTROLS_REPLAYS = 4096, 737  # 3.02M per control setting, V=40
+SHORTCUT_BATCH, SHORTCUT_REPLAYS = 2048, 320  # 655k, V=1024
+
+
+def replay_rows() -> list[torch.Tensor]:
+    """Two rows of 50 float32 probabilities (float64 copies), the second with zeros."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.rand(50, generator=gen, dtype=torch.float64) for _ in range(2)]
+    rows[1][::3] = 0
+    return [row.float().double() for row in rows]
+
+
 @pytest.mark.parametrize("name", list(SAMPLERS))
 def test_capture_and_replay_draws_fresh_exact_tokens(name):
-    batch, vocab = 4096, 50
+    batch, vocab = REPLAY_BATCH, 50
     static = torch.zeros(batch, vocab, device="cuda")
     static[:, 0] = 1
     graph, out = capture(SAMPLERS[name], static)
-    gen = torch.Generator().manual_seed(0)
-    rows = [torch.rand(vocab, generator=gen, dtype=torch.float64) for _ in range(2)]
-    rows[1][::3] = 0
-    for row in rows:  # new inputs each time, copied into the static buffer
+    for row in replay_rows():  # new inputs each time, copied into the static buffer
         static.copy_(row.float().expand(batch, -1))
         counts = np.zeros(vocab)
         previous = None
-        for _ in range(40):
+        for _ in range(REPLAYS):
             graph.replay()
             ids = out[:, 0].clone()
             assert previous is None or not torch.equal(ids, previous), "replay repeated noise"
             previous = ids
             counts += torch.bincount(ids, minlength=vocab).cpu().numpy()
-        assert_law(counts, row.float().double().numpy(), what=name)
+        assert_law(counts, row.numpy(), what=name)
 
 
 def test_capture_with_bad_rows_and_several_draws():
@@ -77,15 +91,21 @@ def test_capture_with_bad_rows_and_several_draws():
     assert out.token_ids[2].tolist() == [0, 1, 2, 3]
 
 
+CONTROL_SETTINGS = ((0.8, 12, 0.9), (1.3, 30, 0.7))
+
+
+def controls_row() -> torch.Tensor:
+    """40 float32 logits (float64 copy)."""
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(40, generator=gen, dtype=torch.float64) * 2).float().double()
+
+
 def test_capture_sample_with_per_row_controls():
     """fastsample.sample with tensor controls and seeds: captured once, the step advanced
     inside the graph; replays draw fresh tokens whose law is the processed distribution,
     and new control values copied into the static tensors take effect without recapture."""
-    from reference import reference_probs
-
-    batch, vocab = 4096, 40
-    gen = torch.Generator().manual_seed(3)
-    row = torch.randn(vocab, generator=gen, dtype=torch.float64) * 2
+    batch, vocab = CONTROLS_BATCH, 40
+    row = controls_row()
     logits = row.float().cuda().expand(batch, -1).contiguous()
     temperature = torch.full((batch,), 0.8, device="cuda")
     top_k = torch.full((batch,), 12, dtype=torch.int64, device="cuda")
@@ -102,19 +122,19 @@ def test_capture_sample_with_per_row_controls():
         return out.token_ids
 
     graph, out = capture(fn, logits)
-    for t, k, p in ((0.8, 12, 0.9), (1.3, 30, 0.7)):
+    for t, k, p in CONTROL_SETTINGS:
         temperature.fill_(t)
         top_k.fill_(k)
         top_p.fill_(p)
         counts = np.zeros(vocab)
         previous = None
-        for _ in range(20):
+        for _ in range(CONTROLS_REPLAYS):
             graph.replay()
             ids = out[:, 0].clone()
             assert previous is None or not torch.equal(ids, previous)
             previous = ids
             counts += torch.bincount(ids, minlength=vocab).cpu().numpy()
-        want = reference_probs(row.float().double().numpy(), t, k, p)
+        want = reference_probs(row.numpy(), t, k, p)
         assert_law(counts, want, what=f"T={t} k={k} p={p}")
 
 
@@ -138,15 +158,19 @@ def test_capture_tensor_controls_on_long_rows_matches_eager():
     assert torch.equal(out, eager)
 
 
+def shortcut_row() -> np.ndarray:
+    """1024 logits: one at 2, the rest 0 (k=2: every zero ties at the cut, in all blocks)."""
+    row = np.zeros(1024)
+    row[5] = 2.0
+    return row
+
+
 def test_capture_sample_with_a_small_python_top_k():
     """The small-top_k shortcut (Python controls, float32 logits): captured once with the
     counting pass, the 64-way search and the block reads inside; replays draw fresh tokens
     with the processed law, ties at the cut beyond the k best blocks included."""
-    from reference import reference_probs
-
-    batch, vocab = 2048, 1024
-    row = torch.zeros(vocab, dtype=torch.float64)
-    row[5] = 2.0  # k=2: every zero ties at the cut, in all four blocks
+    batch, vocab = SHORTCUT_BATCH, 1024
+    row = torch.tensor(shortcut_row())
     logits = row.float().cuda().expand(batch, -1).contiguous()
     seed = torch.arange(batch, device="cuda")
     step = torch.zeros(batch, dtype=torch.int64, device="cuda")
@@ -159,10 +183,24 @@ def test_capture_sample_with_a_small_python_top_k():
     graph, out = capture(fn, logits)
     counts = np.zeros(vocab)
     previous = None
-    for _ in range(30):
+    for _ in range(SHORTCUT_REPLAYS):
         graph.replay()
         ids = out[:, 0].clone()
         assert previous is None or not torch.equal(ids, previous)
         previous = ids
         counts += torch.bincount(ids, minlength=vocab).cpu().numpy()
     assert_law(counts, reference_probs(row.numpy(), 0.8, 2), what="shortcut under capture")
+
+
+def law_cases():
+    """The laws judged here, at their sizes (tests/test_power.py checks them)."""
+    for i, row in enumerate(replay_rows()):
+        for name in SAMPLERS:
+            law = row.numpy()
+            yield LawCase(f"replay {name} row {i} V=50", law, REPLAY_BATCH * REPLAYS, 0.02)
+    for t, k, p in CONTROL_SETTINGS:
+        law = reference_probs(controls_row().numpy(), t, k, p)
+        draws = CONTROLS_BATCH * CONTROLS_REPLAYS
+        yield LawCase(f"sample T={t} k={k} p={p} V=40", law, draws, 0.02)
+    law = reference_probs(shortcut_row(), 0.8, 2)
+    yield LawCase("small top_k=2 V=1024", law, SHORTCUT_BATCH * SHORTCUT_REPLAYS, 0.05)
