@@ -34,11 +34,37 @@ CONTROLS = [
     {},
     {"temperature": 0.7, "min_p": 0.05},
 ]
+# Rows whose tensor controls are out of range (invalid on every rank, as on one process).
+OUT_OF_RANGE = [7, 8]
+
+
+def tensor_controls() -> dict:
+    """Per-row controls: greedy rows (T == 0), k from 1 to 60 and p in (0, 1] by row, k and
+    p off in some rows, one negative k and one p above 1 (OUT_OF_RANGE)."""
+    rows = torch.arange(BATCH)
+    temperature = torch.where(rows % 5 == 0, 0.0, 0.5 + (rows % 7) / 4)
+    top_k = (rows * 7) % 61
+    top_p = torch.where(rows % 6 == 0, 1.0, 0.3 + (rows % 11) / 16)
+    min_p = (rows % 4) / 40
+    top_k[OUT_OF_RANGE[0]] = -1
+    top_p[OUT_OF_RANGE[1]] = 1.5
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+
+
+# The cuts on the Triton round (each adds collectives, one launch each): candidates
+# (Python top_k <= 1024) and their ties for a Python top_p, radix rounds for the others.
+CUTS = [
+    {"temperature": 0.9, "top_k": 6},
+    {"top_k": 10, "top_p": 0.8, "min_p": 0.01},
+    {"temperature": 1.3, "top_p": 0.9},
+    "tensors",
+]
 
 
 def inputs(vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(BATCH, vocab, generator=gen) * 3
+    logits[9:24] = (logits[9:24] * 2).round() / 2  # ties at every cut
     logits[1, vocab // 3 :] = -math.inf  # a grammar mask
     logits[2, 5] = math.nan  # bad on one shard only
     logits[3] = -math.inf  # nothing to draw
@@ -57,12 +83,39 @@ def cases():
                     if source == "probs" and "min_p" in controls:
                         continue
                     yield (name, str(dtype), source, i), (vocab, dtype, source, controls)
+                # The cuts on float32 logits and probabilities (aligned) and float64 logits
+                # (unaligned, odd vocabulary): each case runs every round step.
+                if dtype == torch.float16 or (dtype == torch.float64 and source == "probs"):
+                    continue
+                for i, controls in enumerate(CUTS):
+                    controls = tensor_controls() if controls == "tensors" else controls
+                    key = (name, str(dtype), source, f"cut{i}")
+                    yield key, (vocab, dtype, source, controls)
 
 
 def call(x: torch.Tensor, source: str, controls: dict, **kwargs):
     seeds = torch.arange(x.shape[0]) * 11 + 5
     steps = torch.full((x.shape[0],), 3, dtype=torch.int64)
     return dict(seed=seeds, step=steps, **{source: x}, **controls, **kwargs)
+
+
+# Extra controls of the launch-budget calls (on T=0.8 float32 logits) and their collectives.
+BUDGET_CALLS = {
+    "no cut": {},
+    "min_p": {"min_p": 0.05},
+    "candidate top_k": {"top_k": 6},
+    "candidate top_k, top_p": {"top_k": 6, "top_p": 0.8},
+    "radix top_p": {"top_p": 0.9},
+    "tensor T, k, p, min_p": "tensors",
+}
+BUDGET_CALLS_COLLECTIVES = {
+    "no cut": 3,
+    "min_p": 3,
+    "candidate top_k": 4,  # + all-gather of the candidates
+    "candidate top_k, top_p": 5,  # + SUM of the ties at cut_k
+    "radix top_p": 6,  # + 3 radix rounds
+    "tensor T, k, p, min_p": 9,  # + 3 + 3 radix rounds
+}
 
 
 def _worker(rank: int, port: int, outdir: str, tests_dir: str) -> None:
@@ -74,7 +127,7 @@ def _worker(rank: int, port: int, outdir: str, tests_dir: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
-    from fastsample.distributed import sample
+    from fastsample.distributed import record_traffic, sample
     from launch_budget import device_work
 
     results: dict = {}
@@ -95,10 +148,13 @@ def _worker(rank: int, port: int, outdir: str, tests_dir: str) -> None:
         kwargs = call(
             x, "logits", {"temperature": 0.8}, vocab_start=spans[rank][0], vocab_size=vocab
         )
-        sample(**kwargs)  # warm-up
-        results["work"] = device_work(lambda: sample(**kwargs))[::2]  # (total, launches)
-        # Not covered by the kernels (top-k): the torch path, no launch.
-        results["fallback"] = device_work(lambda: sample(**kwargs, top_k=20))[2]
+        for name, extra in BUDGET_CALLS.items():
+            extra = tensor_controls() if extra == "tensors" else extra
+            with record_traffic() as traffic:
+                total, _, launches = device_work(lambda e=extra: sample(**{**kwargs, **e}))
+            results[("budget", name)] = (total, launches, traffic.count)
+        # Not covered by the kernels (several draws): the torch path, no launch.
+        results["fallback"] = device_work(lambda: sample(**kwargs, num_samples=2))[2]
     except Exception:
         results["error"] = traceback.format_exc()
     finally:
@@ -164,7 +220,9 @@ def test_equals_torch_path_and_one_process_sampling(ranks, key, case):
         assert torch.equal(a, b)
     references = {"torch distributed": ranks[0][("torch", *key)]}
     if key[0] == "aligned":
-        for backend in ("torch", "triton"):
+        # One process on the Triton backend equals the torch backend in its own tests; the
+        # cut cases compare with the torch backend only (the interpreter's radix is slow).
+        for backend in ("torch",) if str(key[3]).startswith("cut") else ("torch", "triton"):
             one = on(backend, fs.sample, **call(x, source, controls))
             references[f"{backend} one process"] = (
                 one.token_ids,
@@ -181,11 +239,21 @@ def test_equals_torch_path_and_one_process_sampling(ranks, key, case):
         finite = ~logprobs.isinf()
         torch.testing.assert_close(logprobs[finite], logprobs_ref[finite], rtol=tight, atol=tight)
     bad_rows = [2, 3] if source == "logits" else [3, 5]  # NaN on one shard; no mass; p < 0
-    assert not bool(valid[bad_rows].any()) and bool(valid[6:].all())
+    good = torch.ones(BATCH, dtype=torch.bool)
+    good[:6] = False
+    if isinstance(controls.get("top_k"), torch.Tensor):
+        bad_rows += OUT_OF_RANGE
+        good[OUT_OF_RANGE] = False
+    assert not bool(valid[bad_rows].any()) and bool(valid[good].all())
 
 
-def test_one_round_launch_budget(ranks):
+def test_one_launch_per_collective(ranks):
+    """The launch budget of triton_round: one launch before each collective and no other
+    device work (no aten op); the draw round without cuts is 3 launches; each cut step adds
+    one collective and one launch (EXPECTED_COLLECTIVES, the table of triton_round)."""
     for rank in ranks:
-        total, launches = rank["work"]
-        assert launches == 3 and total <= 3, rank["work"]
-        assert rank["fallback"] == 0  # top-k: the torch path
+        for name, expected in BUDGET_CALLS_COLLECTIVES.items():
+            total, launches, collectives = rank[("budget", name)]
+            assert collectives == expected, (name, collectives)
+            assert launches == collectives and total == launches, (name, total, launches)
+        assert rank["fallback"] == 0  # several draws: the torch path

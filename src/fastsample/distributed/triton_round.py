@@ -1,72 +1,182 @@
-"""One round of :func:`fastsample.distributed.sample` on the Triton backend: three launches per
-rank plus the round's three collectives (:mod:`fastsample.kernels.shard`).
+"""One call of :func:`fastsample.distributed.sample` on the Triton backend: one launch per rank
+before each of the call's collectives, none after the last (:mod:`fastsample.kernels.shard`,
+:mod:`fastsample.kernels.shard_cuts`).
 
-Covered calls (:func:`covered`; the others take the torch path, which is also the reference):
-seeded (``seed=``), one draw, ``temperature`` a positive Python number or None, no top-k or
-top-p, ``min_p`` a Python number on logits or None, and the 256-entry slot grid (vocabularies
-up to ~262k entries). The data flow is the torch path's (:mod:`fastsample.distributed.sampling`),
-step for step:
+**Launch budget.** A *collective step* is the local work that produces one collective's
+payload from what the earlier collectives returned: here it is always exactly one launch.
+The *draw round* (the slot masses, the draw and the result) is the last three steps and costs
+three launches; a call costs one launch per collective in all, and nothing else (the outputs
+are views of the last collective's result; buffers are allocated, never filled by torch ops):
 
-1. ``summaries`` (launch) -> all-gather ``(world, B, 2)``: global maximum and validity;
-2. ``weights_and_sums`` (launch) -> all-reduce SUM ``(B, slots)``: the slot masses;
-3. ``draw_record`` (launch) -> all-reduce MAX ``(B, 4)`` int64: the owner's finished result,
-   whose columns are the outputs (views: no fourth launch).
+================================  ==============================  ========================
+call                              collectives (per rank)          launches = collectives
+================================  ==============================  ========================
+no cut, or min-p only             all-gather, SUM, MAX            3
+Python ``top_k <= 1024``          + all-gather of candidates      4
+... and a Python ``top_p``        + SUM of the ties at ``cut_k``  5
+other top-k (tensor, ``> 1024``)  + 3 SUM (7 for float64)         6 (10)
+other top-p                       + 3 SUM (7 for float64)         +3 (+7)
+================================  ==============================  ========================
+
+The steps, in order, each a launch followed by its collective (the data flow is the torch
+path's, :mod:`fastsample.distributed.sampling`, step for step):
+
+1. ``summaries`` -> all-gather ``(world, B, 2)`` (``3`` with a tensor temperature: the
+   shard's first maximal index for greedy rows): global maximum and validity;
+2. the cut steps of :mod:`fastsample.kernels.shard_cuts` (the first one also computes the
+   weights): the candidates (all-gather), the radix rounds of top-k then top-p (SUM of each
+   round's histogram), the ties at the candidate ``cut_k`` (SUM);
+3. ``APPLY`` (the weights too, when no cut needs a collective): the final cut, the kept
+   weights and the slot masses -> all-reduce SUM ``(B, slots)``;
+4. ``draw_record`` -> all-reduce MAX ``(B, 4)`` int64: the owner's finished result (or, on
+   every rank, a greedy row's point mass or an invalid row's fallback), whose columns are the
+   outputs.
+
+Covered calls (:func:`covered`): seeded (``seed=``), one draw, not all greedy, the 256-entry
+slot grid (vocabularies up to ~262k entries), and ``world * top_k <= 4096`` for a candidate
+top-k (the merged candidates are sorted in registers); temperature, top-k, top-p and min-p as
+Python numbers or ``(B,)`` tensors. The others take the torch path (also the reference):
+``num_samples > 1``, unseeded calls, a Python ``temperature=0``, coarse slot grids.
+
+Equality with the torch path: the weights, the top-k cut (candidates or radix counts), the
+candidate top-p cut (the same float64 running sum), min-p and the kept weights are the same
+numbers; slot masses are float32 block sums and the scans float64 prefix sums, as there. The
+radix top-p cut sums bucket masses in another order, so it can differ where ``top_p`` times
+the mass lies within float32 rounding of a cumulative mass (the exception the torch path
+already makes against one process, :mod:`fastsample.distributed`).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..ops.cuts import predecessor
 from ..ops.inverse_cdf import BLOCK
 from ..ops.seeds import CounterSource
+from ..ops.select import CANDIDATE_MAX_K
 from ..ops.weights import compute_dtype
 from ..sampling import SampleOutput
 from .agree import Call
 from .comm import Comm
 
+# Most merged candidates per row (world * top_k) that the kernels sort in registers.
+MAX_MERGED = 4096
+
 
 def covered(call: Call) -> bool:
     """Whether the Triton round handles this call (else the torch path does)."""
-    c = call.controls
-    temperature_ok = c.temperature is None or (
-        isinstance(c.temperature, float) and c.temperature > 0
-    )
-    min_p_ok = c.min_p is None or (isinstance(c.min_p, float) and call.logits is not None)
+    c, layout = call.controls, call.layout
+    k = c.top_k
+    small_k = isinstance(k, int) and k <= CANDIDATE_MAX_K
     return (
         call.seeded
         and isinstance(call.uniforms, CounterSource)
         and call.num_samples == 1
-        and c.top_k is None
-        and c.top_p is None
-        and temperature_ok
-        and min_p_ok
-        and call.layout.per_slot == BLOCK
+        and not c.all_greedy
+        and layout.per_slot == BLOCK
+        and not (small_k and layout.world * k > MAX_MERGED)
     )
+
+
+def plan(call: Call) -> tuple[int, int, int, list[tuple[int, int]]]:
+    """``(k_mode, p_mode, m_mode, steps)``: how each cut is taken and the ``(step, round)``
+    launches of a :func:`covered` call, each followed by one collective (the last, APPLY,
+    by the slot masses' SUM)."""
+    from ..kernels import shard_cuts as sc
+
+    c = call.controls
+    dtype = compute_dtype(call.source.dtype)
+    k, p, m = c.top_k, c.top_p, c.min_p
+    k_mode = sc.OFF if k is None else sc.RADIX
+    if isinstance(k, int) and k <= CANDIDATE_MAX_K:
+        k_mode = sc.CAND
+    p_mode = sc.OFF if p is None else sc.RADIX
+    if p is not None and k_mode == sc.CAND and isinstance(p, float):
+        p_mode = sc.CAND
+    if m is None:
+        m_mode = sc.OFF
+    elif isinstance(m, Tensor):
+        m_mode = sc.MIN_TENSOR
+    elif call.logits is not None and k is None and p is None:
+        m_mode = sc.PLAIN  # as one process: w > pred(min_p), no division
+    else:
+        m_mode = sc.MIN_NUMBER
+    rounds = range(sc.WIDTHS[dtype][2])
+    steps: list[tuple[int, int]] = []
+    if k_mode == sc.CAND:
+        steps.append((sc.TOP, 0))
+    elif k_mode == sc.RADIX:
+        steps += [(sc.HIST_K, r) for r in rounds]
+    if p_mode == sc.CAND:
+        steps.append((sc.TIES, 0))
+    elif p_mode == sc.RADIX:
+        steps += [(sc.HIST_P, r) for r in rounds]
+    steps.append((sc.APPLY, 0))
+    return k_mode, p_mode, m_mode, steps
 
 
 def sample_round(comm: Comm, call: Call) -> SampleOutput:
     """:func:`fastsample.distributed.sample` for a :func:`covered` call, by the kernels."""
     from ..kernels import shard
+    from ..kernels import shard_cuts as sc
 
     x, layout, c = call.source, call.layout, call.controls
+    batch = x.shape[0]
     is_logits = call.logits is not None
     dtype = compute_dtype(x.dtype)
-    table = comm.all_gather(shard.summaries_op(x, is_logits))
-    temperature = c.temperature
-    if temperature is not None:  # as divide_by_temperature_: at least the smallest normal
-        temperature = max(float(temperature), torch.finfo(dtype).tiny)
-    min_p_below = predecessor(float(c.min_p), dtype) if c.min_p is not None else None
+    k_mode, p_mode, m_mode, steps = plan(call)
+    controls = (c.temperature, c.top_k, c.top_p, c.min_p)
+    tensors = [v if isinstance(v, Tensor) else None for v in controls]
+    greedy = tensors[0] is not None  # rows with T == 0 are greedy
+    table = comm.all_gather(shard.summaries_op(x, layout.start, is_logits, greedy, *tensors))
+
+    numbers: list[float | None] = [None if v is None or t is not None else float(v)
+                                   for v, t in zip(controls, tensors, strict=True)]  # fmt: skip
+    if numbers[0] is not None:  # as divide_by_temperature_: at least the smallest normal
+        numbers[0] = max(numbers[0], torch.finfo(dtype).tiny)
+    if m_mode == sc.PLAIN:
+        numbers[3] = predecessor(float(c.min_p), dtype)  # type: ignore[arg-type]
     # The torch path uses the probabilities themselves (no copy) exactly in this case.
     no_copy = (
-        not is_logits and temperature is None and not c.filters and x.dtype == dtype
+        not is_logits and c.temperature is None and not c.filters and x.dtype == dtype
     ) and layout.vocab % 2 == 0
+    k_static = c.top_k if k_mode == sc.CAND else 0
+    assert isinstance(k_static, int)
     sizes = [
         layout.local, layout.width, layout.head, layout.first, layout.owned, layout.grid,
         layout.rank, layout.slots,
     ]  # fmt: skip
-    weights, sums = shard.weights_op(x, table, is_logits, sizes, temperature, min_p_below, no_copy)
-    sums = comm.all_reduce(sums, "sum")
+    # Buffers the launches fill (allocations only: no device work).
+    wide = dtype == torch.float64 or layout.vocab >= 1 << 24  # float32 counts exact below
+    hist_dtype = torch.float64 if wide else torch.float32
+    buckets = batch * sc.histogram_buckets(dtype)
+    weights = x.new_empty((batch, layout.width), dtype=dtype)
+    sums = x.new_empty((batch, layout.slots), dtype=dtype)
+    candidates = x.new_empty((batch, k_static), dtype=dtype)
+    hists_k = x.new_empty((buckets if k_mode == sc.RADIX else 0,), dtype=hist_dtype)
+    hists_p = x.new_empty((buckets if p_mode == sc.RADIX else 0,), dtype=hist_dtype)
+    ties = x.new_empty((batch if p_mode == sc.CAND else 0,), dtype=torch.float64)
+    merged = candidates
+    for i, (kind, r) in enumerate(steps):
+        how = [int(is_logits), int(no_copy), int(i == 0), kind, r, k_mode, p_mode, m_mode]
+        shard.step_op(
+            x, table, weights, sums, candidates, merged, hists_k, hists_p, ties,
+            tensors[0], numbers[0], tensors[1], numbers[1], tensors[2], numbers[2],
+            tensors[3], numbers[3], [*sizes, layout.vocab, k_static], how,
+        )  # fmt: skip
+        if kind == sc.TOP:
+            merged = comm.all_gather(candidates)
+        elif kind in (sc.HIST_K, sc.HIST_P):
+            width, _, offset = sc.round_layout(dtype, r)
+            flat = hists_k if kind == sc.HIST_K else hists_p
+            part = flat[offset * batch : (offset + (1 << width)) * batch]
+            comm.all_reduce(part.view(batch, 1 << width), "sum")
+        elif kind == sc.TIES:
+            comm.all_reduce(ties, "sum")
+        else:
+            sums = comm.all_reduce(sums, "sum")
+
     source = call.uniforms
     assert isinstance(source, CounterSource)
     stream = source.stream
@@ -74,6 +184,7 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
     record = shard.draw_op(
         weights, sums, table, is_logits, sizes, layout.start, layout.vocab, layout.draw_width,
         source.seed, source.step, stream_rows, 0 if stream_rows is not None else int(stream),
+        tensors[0],
     )  # fmt: skip
     record = comm.all_reduce(record, "max")
     ids, probs, valid, logprobs = shard.unpack(record, dtype == torch.float64)

@@ -1,33 +1,37 @@
-"""Shard-local work of one vocabulary-parallel sampling round in three Triton launches
-(:mod:`fastsample.distributed.shard` is the reference; the collectives stay with the caller).
+"""Shard-local work of vocabulary-parallel sampling as Triton launches, one before each
+collective (:mod:`fastsample.distributed.shard` and :mod:`fastsample.distributed.cuts` are the
+references; the collectives stay with the caller, :mod:`fastsample.distributed.triton_round`).
 
-One round (one draw; temperature and a logits min-p cut, no top-k/top-p) on a rank holding
-columns ``[start, start + local)`` of a ``vocab``-entry vocabulary:
+One call (one draw, seeded) on a rank holding columns ``[start, start + local)`` of a
+``vocab``-entry vocabulary:
 
 1. :func:`summaries` -> ``(B, 2)`` float64: the shard's row maximum (``-inf`` on a bad row) and
-   its badness (NaN anywhere for logits; NaN or a negative entry for probabilities). All-gathered.
-2. :func:`weights_and_sums` reads the gathered ``(world, B, 2)`` table (global maximum ``top``,
-   validity), writes the shard's weights ``(B, width)`` (logits: ``exp((x - top) / T)``, kept
-   where ``> min_p_below``; probabilities: ``(p / top)^(1/T)`` as ``exp(log(p / top) / T)``, or
-   ``p`` itself in the torch path's no-copy case) and the ``(B, slots)`` slot masses: this rank's
-   head slot and its grid slots of 256 entries (block sums, float32 for float32 weights), zero
-   elsewhere. All-reduced with SUM.
+   its badness (NaN anywhere for logits; NaN or a negative entry for probabilities; an
+   out-of-range tensor control); with a tensor temperature a third column, the shard's first
+   maximal global index (for greedy rows). All-gathered.
+2. :func:`fastsample.kernels.shard_cuts.step` (op ``step_op``), once per cut collective and
+   once for the slot masses: the first launch reads the gathered ``(world, B, c)`` table
+   (global maximum ``top``, validity) and writes the shard's weights ``(B, width)`` (logits:
+   ``exp((x - top) / T)``; probabilities: ``(p / top)^(1/T)`` as ``exp(log(p / top) / T)``, or
+   ``p`` itself in the torch path's no-copy case); the cut steps produce candidates, radix
+   histograms or tie counts; the last (``APPLY``) applies the final cut and writes the
+   ``(B, slots)`` slot masses: this rank's head slot and its grid slots of 256 entries (block
+   sums, float32 for float32 weights), zero elsewhere. All-reduced with SUM.
 3. :func:`draw_record` reads the summed masses: float64 prefix, one uniform (Philox, purpose
    ``DRAW``, position 0, the torch path's counters), the slot ``J`` = the number of prefixes
    ``<= min(u S, nextafter(S, 0))``; the rank that owns ``J`` scans its entries (float64 prefix,
    as :func:`fastsample.distributed.shard.draw_in_slot`) and writes the finished result (token
    id, probability ``w / total`` and log-probability ``log w - log total`` in the output dtype,
    valid) into a ``(B, 4)`` int64 record; the other ranks write ``INT64_MIN``, and every rank
-   writes the same fallback record for an invalid row. A MAX all-reduce of the records leaves
-   every rank with the owner's result, and the outputs are views of it (no unpacking launch).
+   writes the same record for an invalid row (the fallback) and for a valid greedy row (its
+   first global maximal index, probability 1). A MAX all-reduce of the records leaves every
+   rank with the owner's result, and the outputs are views of it (no unpacking launch).
 
 Record layout (int64 words): ``[token, bits(prob), bits(logprob), valid]``; float32 outputs sit
 in the low 32 bits (little-endian: the even float32 column of the int64 word's pair).
 """
 
 from __future__ import annotations
-
-import struct
 
 import torch
 import triton
@@ -37,10 +41,14 @@ from torch import Tensor
 from ..ops.inverse_cdf import BLOCK
 from ..ops.seeds import Purpose
 from . import launch
+from . import shard_cuts as cuts
 from .philox import INTERPRETED, counter_words, row_key, uniform_at
 from .rowwise import toward_zero
+from .shard_cuts import _TENSOR, control, control_args, global_top
 
 DRAW = tl.constexpr(int(Purpose.DRAW))
+ONE_BITS_F64 = tl.constexpr(0x3FF0000000000000)  # 1.0 as float64 bits
+ONE_BITS_F32 = tl.constexpr(0x3F800000)  # 1.0 as float32 bits (the low word)
 INT64_MIN = tl.constexpr(-(2**63))
 RECORD = 4  # int64 words per row of the record
 
@@ -55,14 +63,18 @@ def _rows(batch: int, elements: int) -> int:
 
 @triton.jit
 def _summary_kernel(
-    x_ptr, x_sb, x_sv, batch, local, out_ptr,
-    IS_LOGITS: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+    x_ptr, x_sb, x_sv, batch, local, start_id, out_ptr,
+    t_ptr, t_sb, k_ptr, k_sb, p_ptr, p_sb, m_ptr, m_sb,
+    IS_LOGITS: tl.constexpr, GREEDY: tl.constexpr, T_SRC: tl.constexpr, K_SRC: tl.constexpr,
+    P_SRC: tl.constexpr, M_SRC: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
+    COLS: tl.constexpr = 3 if GREEDY else 2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < batch
     rows = tl.where(live, rows, 0).to(tl.int64)
     offsets = tl.arange(0, TILE)[None, :].to(tl.int64)
     best = tl.full((ROWS,), float("-inf"), tl.float64)
+    best_id = tl.zeros((ROWS,), tl.int64)
     bad = tl.zeros((ROWS,), tl.int32)
     for start in range(0, local, TILE):
         columns = start + offsets
@@ -74,101 +86,45 @@ def _summary_kernel(
         else:
             wrong = (x != x) | (x < 0)
         bad += tl.sum(wrong.to(tl.int32), 1)
+        if GREEDY:  # the first maximal entry: the first tile holding the maximum wins ties
+            top = tl.max(tl.where(inside, x, float("-inf")), 1)
+            first = tl.min(tl.where(inside & (x == top[:, None]), columns, local), 1)
+            best_id = tl.where((top > best) | (start == 0), first, best_id)
         best = tl.maximum(best, tl.max(tl.where(inside & ~wrong, x, float("-inf")), 1))
+    # Out-of-range tensor controls make the row bad: invalid on every rank, as the torch
+    # path's controls_in_range (the controls are the same on every rank).
+    if T_SRC == _TENSOR:
+        t = control(t_ptr, t_sb, 0, rows, live, T_SRC)
+        bad += (~((t >= 0) & (t < float("inf")))).to(tl.int32)
+    if K_SRC == _TENSOR:
+        bad += (~(control(k_ptr, k_sb, 0, rows, live, K_SRC) >= 0)).to(tl.int32)
+    if P_SRC == _TENSOR:
+        p = control(p_ptr, p_sb, 0, rows, live, P_SRC)
+        bad += (~((p > 0) & (p <= 1))).to(tl.int32)
+    if M_SRC == _TENSOR:
+        m = control(m_ptr, m_sb, 0, rows, live, M_SRC)
+        bad += (~((m >= 0) & (m <= 1))).to(tl.int32)
     bad_row = bad > 0
-    tl.store(out_ptr + rows * 2, tl.where(bad_row, float("-inf"), best), mask=live)
-    tl.store(out_ptr + rows * 2 + 1, bad_row.to(tl.float64), mask=live)
-
-
-@triton.jit
-def _global_top(table_ptr, rows, live, batch, world, IS_LOGITS: tl.constexpr):
-    """``(top, finite)`` per row from the gathered ``(world, B, 2)`` summaries."""
-    top = tl.full(rows.shape, float("-inf"), tl.float64)
-    bad = tl.zeros(rows.shape, tl.float64)
-    for r in range(0, world):
-        top = tl.maximum(top, tl.load(table_ptr + (r * batch + rows) * 2, mask=live, other=0.0))
-        bad = tl.maximum(bad, tl.load(table_ptr + (r * batch + rows) * 2 + 1, mask=live, other=0.0))
-    clean = ~(bad > 0)
-    if IS_LOGITS:
-        finite = clean & (top > float("-inf")) & (top < float("inf"))
-    else:
-        finite = clean & (top > 0) & (top < float("inf"))
-    return top, finite
-
-
-@triton.jit
-def _weights_kernel(
-    x_ptr, x_sb, x_sv, table_ptr, w_ptr, sums_ptr,
-    batch, world, local, width, head, first, owned, grid, rank, slots,
-    temperature_bits, min_p_bits,
-    IS_LOGITS: tl.constexpr, HAS_T: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    NO_COPY: tl.constexpr, F64: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-    SLOTS_PAD: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = rows < batch
-    rows = tl.where(live, rows, 0).to(tl.int64)
-    top, finite = _global_top(table_ptr, rows, live, batch, world, IS_LOGITS)
-    # Python floats reach the kernel as their float64 bits (a float argument would be float32).
-    temperature = temperature_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    min_p_below = min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    if F64:
-        shift = tl.where(finite, top, 0.0 if IS_LOGITS else 1.0)
-        divisor = temperature
-    else:
-        shift = tl.where(finite, top, 0.0 if IS_LOGITS else 1.0).to(tl.float32)
-        divisor = temperature.to(tl.float32)
-        min_p_below = min_p_below.to(tl.float32)  # a float32 number already (exact)
-    # Every slot starts at 0; this rank's own slots are written below.
-    every = tl.arange(0, SLOTS_PAD)[None, :]
-    sums_row = sums_ptr + rows * slots
-    zero = tl.zeros((ROWS, SLOTS_PAD), tl.float64 if F64 else tl.float32)
-    tl.store(sums_row[:, None] + every, zero, mask=live[:, None] & (every < slots))
-    tl.debug_barrier()
-    offsets = tl.arange(0, TILE)[None, :].to(tl.int64)
-    # Tile -1 is the head slot (columns [0, head)); tile j >= 0 is grid slot first + j.
-    for j in range(-1, owned):
-        tile = tl.zeros((ROWS,), tl.int64) + j
-        begin = tl.where(tile < 0, 0, head + tile * TILE)
-        end = tl.where(tile < 0, head, tl.minimum(head + (tile + 1) * TILE, width))
-        columns = begin[:, None] + offsets
-        inside = live[:, None] & (columns < end[:, None])
-        x = tl.load(x_ptr + rows[:, None] * x_sb + columns * x_sv, mask=inside & (columns < local))
-        if F64:  # noqa: SIM108 (constexpr branches)
-            x = x.to(tl.float64)
-        else:
-            x = x.to(tl.float32)
-        if IS_LOGITS:
-            w = x - shift[:, None]
-            if HAS_T:
-                w = w / divisor
-            w = tl.exp(w)
-            if HAS_MIN_P:
-                w = tl.where(w > min_p_below, w, 0.0)
-        elif NO_COPY:
-            w = x
-        else:
-            w = x / shift[:, None]
-            if HAS_T:
-                w = tl.exp(tl.log(w) / divisor)
-        w = tl.where(inside & (columns < local), w, 0.0)  # the padding column is 0
-        tl.store(w_ptr + rows[:, None] * width + columns, w, mask=inside)
-        slot = tl.where(tile < 0, grid + rank, first + tile)
-        tl.store(sums_row + slot, tl.sum(w, 1), mask=live & (end > begin))
+    tl.store(out_ptr + rows * COLS, tl.where(bad_row, float("-inf"), best), mask=live)
+    tl.store(out_ptr + rows * COLS + 1, bad_row.to(tl.float64), mask=live)
+    if GREEDY:
+        tl.store(out_ptr + rows * COLS + 2, (best_id + start_id).to(tl.float64), mask=live)
 
 
 @triton.jit
 def _draw_kernel(
     w_ptr, sums_ptr, table_ptr, record_ptr,
-    seed_ptr, seed_sb, step_ptr, step_sb, stream_ptr, stream_sb, stream_value,
+    seed_ptr, seed_sb, step_ptr, step_sb, stream_ptr, stream_sb, stream_value, t_ptr, t_sb,
     batch, world, width, head, first, owned, grid, rank, slots, start_id, vocab, draw_width,
     IS_LOGITS: tl.constexpr, HAS_STEP: tl.constexpr, STREAM_ROWS: tl.constexpr,
-    F64: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, SLOTS_PAD: tl.constexpr,
+    GREEDY: tl.constexpr, F64: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+    SLOTS_PAD: tl.constexpr,
 ):  # fmt: skip
+    COLS: tl.constexpr = 3 if GREEDY else 2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < batch
     rows = tl.where(live, rows, 0).to(tl.int64)
-    _, finite = _global_top(table_ptr, rows, live, batch, world, IS_LOGITS)
+    top, finite = global_top(table_ptr, rows, live, batch, world, COLS, IS_LOGITS)
     every = tl.arange(0, SLOTS_PAD)[None, :]
     in_slots = live[:, None] & (every < slots)
     sums = tl.load(sums_ptr + rows[:, None] * slots + every, mask=in_slots, other=0.0)
@@ -238,6 +194,19 @@ def _draw_kernel(
     # Invalid rows: the same fallback on every rank (probability 0, log-probability -inf);
     # valid rows: the owner's values, INT64_MIN elsewhere.
     mine = valid & owner
+    if GREEDY:  # T == 0 rows: the first global maximal index, a point mass, on every rank
+        greedy = (tl.load(t_ptr + rows * t_sb, mask=live, other=1.0) == 0) & valid
+        greedy_id = tl.full(rows.shape, vocab, tl.int64)
+        for r in range(0, world):
+            at = table_ptr + (r * batch + rows) * COLS
+            here = tl.load(at, mask=live, other=0.0) == top
+            candidate = tl.load(at + 2, mask=live, other=0.0).to(tl.int64)
+            greedy_id = tl.minimum(greedy_id, tl.where(here, candidate, vocab))
+        token = tl.where(greedy, tl.minimum(tl.maximum(greedy_id, 0), vocab - 1), token)
+        one_bits = tl.full(rows.shape, ONE_BITS_F64 if F64 else ONE_BITS_F32, tl.int64)
+        prob_bits = tl.where(greedy, one_bits, prob_bits)
+        logprob_bits = tl.where(greedy, 0, logprob_bits)
+        mine = mine | greedy
     words = (
         tl.where(valid, tl.where(mine, token, INT64_MIN), 0),
         tl.where(valid, tl.where(mine, prob_bits, INT64_MIN), prob_bits),
@@ -248,58 +217,31 @@ def _draw_kernel(
         tl.store(record_ptr + rows * 4 + i, words[i], mask=live)
 
 
-def _bits(value: float) -> int:
-    """The float64 bit pattern of ``value`` as a Python int."""
-    return struct.unpack("<q", struct.pack("<d", value))[0]
-
-
-def summaries(x: Tensor, is_logits: bool) -> Tensor:
-    """Launch 1: ``(B, 2)`` float64 ``[max or -inf, bad]`` of this shard (to all-gather)."""
+def summaries(
+    x: Tensor,
+    start: int,
+    is_logits: bool,
+    greedy: bool,
+    controls: tuple[Tensor | float | None, ...],
+) -> Tensor:
+    """Launch 1: ``(B, 2)`` float64 ``[max or -inf, bad]`` of this shard (to all-gather), with
+    a third column, the shard's first maximal global index, when a row may be ``greedy``
+    (tensor temperature). ``controls`` ``(T, k, p, min_p)``: out-of-range tensor values make
+    the row bad."""
     batch, local = x.shape
-    out = torch.empty((batch, 2), dtype=torch.float64, device=x.device)
+    out = torch.empty((batch, 3 if greedy else 2), dtype=torch.float64, device=x.device)
     if batch:
         tile = min(1024, max(16, triton.next_power_of_2(local)))
         rows = _rows(batch, tile)
+        t, k, p, m = (control_args(c, x) for c in controls)
         launch.count_launch()
         launch.launcher(_summary_kernel, INTERPRETED)[launch.grid(batch, rows)](
-            x, x.stride(0), x.stride(1), batch, local, out,
-            IS_LOGITS=is_logits, ROWS=rows, TILE=tile,
+            x, x.stride(0), x.stride(1), batch, local, start, out,
+            t[0], t[1], k[0], k[1], p[0], p[1], m[0], m[1],
+            IS_LOGITS=is_logits, GREEDY=greedy, T_SRC=t[3], K_SRC=k[3], P_SRC=p[3],
+            M_SRC=m[3], ROWS=rows, TILE=tile,
         )  # fmt: skip
     return out
-
-
-def weights_and_sums(
-    x: Tensor,
-    table: Tensor,
-    is_logits: bool,
-    layout: tuple[int, ...],
-    temperature: float | None,
-    min_p_below: float | None,
-    no_copy: bool,
-) -> tuple[Tensor, Tensor]:
-    """Launch 2: the shard's ``(B, width)`` weights and ``(B, slots)`` slot masses (to
-    all-reduce with SUM). ``layout`` is ``(local, width, head, first, owned, grid, rank,
-    slots)`` with 256-entry grid slots; ``temperature`` already floored at the smallest
-    normal number; ``min_p_below`` the largest weight that min-p removes (logits only)."""
-    batch = x.shape[0]
-    local, width, head, first, owned, grid, rank, slots = layout
-    f64 = x.dtype == torch.float64
-    dtype = torch.float64 if f64 else torch.float32
-    weights = torch.empty((batch, width), dtype=dtype, device=x.device)
-    sums = torch.empty((batch, slots), dtype=dtype, device=x.device)
-    if batch:
-        slots_pad = triton.next_power_of_2(slots)
-        rows = _rows(batch, max(BLOCK, slots_pad))
-        launch.count_launch()
-        launch.launcher(_weights_kernel, INTERPRETED)[launch.grid(batch, rows)](
-            x, x.stride(0), x.stride(1), table, weights, sums,
-            batch, table.shape[0], local, width, head, first, owned, grid, rank, slots,
-            _bits(1.0 if temperature is None else temperature),
-            _bits(0.0 if min_p_below is None else min_p_below),
-            IS_LOGITS=is_logits, HAS_T=temperature is not None, HAS_MIN_P=min_p_below is not None,
-            NO_COPY=no_copy, F64=f64, ROWS=rows, TILE=BLOCK, SLOTS_PAD=slots_pad,
-        )  # fmt: skip
-    return weights, sums
 
 
 def draw_record(
@@ -314,11 +256,17 @@ def draw_record(
     seed: Tensor,
     step: Tensor | None,
     stream: Tensor | int,
+    temperature: Tensor | None,
 ) -> Tensor:
-    """Launch 3: the ``(B, 4)`` int64 result record of this rank (to all-reduce with MAX)."""
+    """Last launch: the ``(B, 4)`` int64 result record of this rank (to all-reduce with MAX).
+    ``temperature``: the tensor temperature when rows may be greedy (the table then has the
+    greedy column)."""
     batch = weights.shape[0]
     _, width, head, first, owned, grid, rank, slots = layout
     record = torch.empty((batch, RECORD), dtype=torch.int64, device=weights.device)
+    greedy = temperature is not None
+    if greedy != (table.shape[2] == 3):
+        raise ValueError("a tensor temperature needs the summaries' greedy column")
     if batch:
         slots_pad = triton.next_power_of_2(slots)
         rows = _rows(batch, max(BLOCK, slots_pad))
@@ -330,10 +278,13 @@ def draw_record(
             0 if step is None else step.stride(0),
             stream if stream_rows else seed, stream.stride(0) if stream_rows else 0,
             0 if stream_rows else stream,
+            seed if temperature is None else temperature,
+            0 if temperature is None else temperature.stride(0),
             batch, table.shape[0], width, head, first, owned, grid, rank, slots, start, vocab,
             draw_width,
             IS_LOGITS=is_logits, HAS_STEP=step is not None, STREAM_ROWS=stream_rows,
-            F64=weights.dtype == torch.float64, ROWS=rows, TILE=BLOCK, SLOTS_PAD=slots_pad,
+            GREEDY=greedy, F64=weights.dtype == torch.float64, ROWS=rows, TILE=BLOCK,
+            SLOTS_PAD=slots_pad,
         )  # fmt: skip
     return record
 
@@ -355,38 +306,67 @@ def unpack(record: Tensor, f64: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 # ---------------------------------------------------------------------------- operators
 
 
-def _register(name: str, launcher, fake):
+def _register(name: str, launcher, fake, mutates: tuple[str, ...] = ()):
     """``triton_op`` when compiled (``torch.compile`` sees the kernel), else ``custom_op``
     with a fake (the interpreter needs real data pointers)."""
     qualified = f"fastsample::{name}"
     if INTERPRETED:
-        op = torch.library.custom_op(qualified, launcher, mutates_args=())
+        op = torch.library.custom_op(qualified, launcher, mutates_args=mutates)
         op.register_fake(fake)
         return op
-    return torch.library.triton_op(qualified, launcher, mutates_args=())
+    return torch.library.triton_op(qualified, launcher, mutates_args=mutates)
 
 
-def _summaries_op(x: Tensor, is_logits: bool) -> Tensor:
-    return summaries(x, is_logits)
+def _summaries_op(
+    x: Tensor,
+    start: int,
+    is_logits: bool,
+    greedy: bool,
+    temperature: Tensor | None,
+    top_k: Tensor | None,
+    top_p: Tensor | None,
+    min_p: Tensor | None,
+) -> Tensor:
+    return summaries(x, start, is_logits, greedy, (temperature, top_k, top_p, min_p))
 
 
-def _weights_op(
+def _summaries_fake(x, start, is_logits, greedy, temperature, top_k, top_p, min_p):
+    return x.new_empty((x.shape[0], 3 if greedy else 2), dtype=torch.float64)
+
+
+def _step_op(
     x: Tensor,
     table: Tensor,
-    is_logits: bool,
-    layout: list[int],
-    temperature: float | None,
-    min_p_below: float | None,
-    no_copy: bool,
-) -> tuple[Tensor, Tensor]:
-    return weights_and_sums(x, table, is_logits, tuple(layout), temperature, min_p_below, no_copy)
-
-
-def _weights_fake(x, table, is_logits, layout, temperature, min_p_below, no_copy):
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.new_empty((x.shape[0], layout[1]), dtype=dtype), x.new_empty(
-        (x.shape[0], layout[7]), dtype=dtype
+    weights: Tensor,
+    sums: Tensor,
+    candidates: Tensor,
+    merged: Tensor,
+    hists_k: Tensor,
+    hists_p: Tensor,
+    ties: Tensor,
+    temperature: Tensor | None,
+    temperature_number: float | None,
+    top_k: Tensor | None,
+    top_k_number: float | None,
+    top_p: Tensor | None,
+    top_p_number: float | None,
+    min_p: Tensor | None,
+    min_p_number: float | None,
+    sizes: list[int],
+    plan: list[int],
+) -> None:
+    controls = (
+        temperature if temperature is not None else temperature_number,
+        top_k if top_k is not None else top_k_number,
+        top_p if top_p is not None else top_p_number,
+        min_p if min_p is not None else min_p_number,
     )
+    cuts.step(x, table, weights, sums, candidates, merged, hists_k, hists_p, ties, controls,
+              tuple(sizes), tuple(plan))  # fmt: skip
+
+
+def _step_fake(*args) -> None:
+    return None
 
 
 def _draw_op(
@@ -402,22 +382,25 @@ def _draw_op(
     step: Tensor | None,
     stream_rows: Tensor | None,
     stream: int,
+    temperature: Tensor | None,
 ) -> Tensor:
     chosen = stream_rows if stream_rows is not None else stream
     return draw_record(
-        weights, sums, table, is_logits, tuple(layout), start, vocab, draw_width, seed, step, chosen
-    )
+        weights, sums, table, is_logits, tuple(layout), start, vocab, draw_width, seed, step,
+        chosen, temperature,
+    )  # fmt: skip
 
 
 def _draw_fake(weights, sums, table, is_logits, layout, start, vocab, draw_width, seed, step,
-               stream_rows, stream):  # fmt: skip
+               stream_rows, stream, temperature):  # fmt: skip
     return weights.new_empty((weights.shape[0], RECORD), dtype=torch.int64)
 
 
-summaries_op = _register(
-    "shard_summaries",
-    _summaries_op,
-    lambda x, is_logits: x.new_empty((x.shape[0], 2), dtype=torch.float64),
+summaries_op = _register("shard_summaries", _summaries_op, _summaries_fake)
+step_op = _register(
+    "shard_step",
+    _step_op,
+    _step_fake,
+    ("weights", "sums", "candidates", "hists_k", "hists_p", "ties"),
 )
-weights_op = _register("shard_weights", _weights_op, _weights_fake)
 draw_op = _register("shard_draw", _draw_op, _draw_fake)

@@ -6,7 +6,9 @@ samplers: ``verify_chain`` (seeded, with and without draft probabilities, ragged
 round of ``distributed.sample`` on a one-rank gloo group when ``torch.distributed`` is
 available (its collectives are ``c10d`` ops, not aten ops, so they are not counted: the
 budget is per rank *beyond* the collectives). The Triton backend covers seeded single draws
-with temperature and min-p (3 launches); top-k/top-p rounds still take the torch path.
+with every control (:mod:`fastsample.distributed.triton_round`): one launch per collective,
+3 for the draw round, one more per cut step (candidates, ties, each radix round); several
+draws and unseeded calls still take the torch path.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def distributed_calls(
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(batch, vocab, generator=gen)
     seeds, steps = torch.arange(batch), torch.zeros(batch, dtype=torch.int64)
+    rows = torch.arange(batch)
+    temperature = torch.where(rows % 4 == 0, 0.0, 0.8)  # some greedy rows
+    top_k, top_p = 20 + rows % 30, torch.full((batch,), 0.9)
     return [
         ("distributed.sample(shard, T=0.8, min_p=0.05, seed=, step= tensors) (1 rank)",
          lambda: sample(logits, vocab_start=0, vocab_size=vocab, temperature=0.8, min_p=0.05,
@@ -98,4 +103,10 @@ def distributed_calls(
         ("distributed.sample(shard, T=0.8, top_k=50, top_p=0.9, seed=, step=) (1 rank)",
          lambda: sample(logits, vocab_start=0, vocab_size=vocab, temperature=0.8, top_k=50,
                         top_p=0.9, seed=seeds, step=steps)),
+        ("distributed.sample(shard, T=0.8, top_p=0.9 (radix), seed=, step=) (1 rank)",
+         lambda: sample(logits, vocab_start=0, vocab_size=vocab, temperature=0.8, top_p=0.9,
+                        seed=seeds, step=steps)),
+        ("distributed.sample(shard, T, top_k, top_p tensors, min_p=0.05, seed=, step=) (1 rank)",
+         lambda: sample(logits, vocab_start=0, vocab_size=vocab, temperature=temperature,
+                        top_k=top_k, top_p=top_p, min_p=0.05, seed=seeds, step=steps)),
     ]  # fmt: skip
