@@ -11,6 +11,7 @@ group is killed after ``GROUP_TIMEOUT`` seconds; processes are cleaned up on any
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import socket
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -29,10 +31,12 @@ import torch.multiprocessing as mp
 from fastsample import distributed as fsd
 from fastsample.distributed import shard as _shard
 from reference import reference_probs, robust_min_p, robust_top_p
-from stattests import mid_mass_biased, parity_biased
+from stattests import plackett_luce, target_bias
 
 WORLDS = (2, 4)
-GROUP_TIMEOUT = 240.0  # seconds for one world's whole run (it takes ~10-20 s)
+# Seconds for one world's whole run: ~40 s of draws per rank on a quiet 2-core machine (the
+# full-power law tests), up to ~4x that when the machine is shared.
+GROUP_TIMEOUT = 600.0
 
 # Shards as (vocab_start, vocab_end) per rank, deliberately not in vocabulary order.
 ALIGNED_VOCAB = 1999  # odd: the last shard carries the single-process padding column
@@ -161,14 +165,143 @@ def scenario_uneven(rank: int, world: int) -> dict:
     }
 
 
-# Exactness: one row per configuration, repeated with seeds 0, 1, ... in one call. Tensor
-# controls run the radix rounds, whose (draws, 1024) histograms cost the most here: fewer draws.
-DRAWS = {"scalar": 12000, "tensor": 6000}
-CONFIGS = 4  # one per kind of row: peaked, flat, ties, masked
-# The relative bias on 10% of the mass these sizes detect with probability 0.99 (the worst
-# configuration, tensor controls; tests/test_power.py computes it). A named gap: 2% would
-# take about 3 million draws per configuration.
-CLAIM = 0.70
+# ----------------------------------------------------------------------------- exactness
+# Full-power law tests: one row drawn LawSpec.draws times, one counter-based seed per draw
+# (seeds 0, 1, ...), in calls of LAW_CHUNK_ROWS rows; each rank reduces its ids
+# to counts, which are all that comes back. Sizes are stattests.draws_needed(law, claim), so
+# each test detects a bias of ``claim`` on about 10% of the mass with probability 0.99
+# (tests/test_power.py checks the registered sizes). Draws cost ~4 us of CPU per row and rank
+# (2 us for plain probs), so each code path gets one full-power law in one world rather than
+# every configuration in both. Tensor controls run the radix rounds, ~20x dearer per row (a
+# (B, 1024) histogram and all-reduce per round): their tokens are instead checked equal, seed
+# for seed, to the Python-control tokens of the same rows (the cuts are the same numbers).
+
+
+@dataclass(frozen=True)
+class LawSpec:
+    """A full-power law test: ``row`` (logits or probabilities) sampled with Python
+    ``controls`` ``(temperature, top_k, top_p, min_p)`` on the ranks of ``world``."""
+
+    world: int
+    source: str  # "logits" or "probs"
+    row: np.ndarray
+    controls: tuple[float, int, float, float]
+    draws: int
+    num_samples: int = 1
+    coarse: bool = False  # COARSE shards with MAX_SLOTS patched to 8 (slots of 512 entries)
+
+    @property
+    def vocab(self) -> int:
+        return len(self.row)
+
+    @property
+    def claim(self) -> float:
+        """The detectable bias it reaches: the target of tests/test_power.py (stattests)."""
+        return target_bias(self.vocab)
+
+    def spans(self) -> list[tuple[int, int]]:
+        return (COARSE if self.coarse else UNEVEN)[self.world]
+
+    def law(self) -> np.ndarray:
+        """The exact float64 law of one draw (``num_samples=1``) or of the ordered pairs of
+        JOINT_TOKENS (``num_samples=2``, :func:`joint_tuples` order)."""
+        if self.num_samples == 2:
+            weights = reference_probs(self.row, *self.controls)[JOINT_TOKENS]
+            return plackett_luce(weights, joint_tuples())
+        return reference_probs(self.row, *self.controls, is_logits=self.source == "logits")
+
+
+def _peaked_at_the_single_token_shard():
+    """World 2, logits: token 0, rank 1's only token, is the row's maximum; top-k 12 binds (so the
+    shard-local top-k bug keeps a 13th token), min-p halfway between the next two ratios."""
+    x = np.random.default_rng(104).normal(size=UNEVEN_VOCAB) * 1.5
+    x[0] = x.max() + 0.3
+    t, k = 0.8, 12
+    ratios = np.sort(np.exp((x - x.max()) / t))[::-1]
+    return x, (t, k, 1.0, float((ratios[k] + ratios[k + 1]) / 2))
+
+
+def _probs_on_both_shards():
+    """World 2: probabilities whose top-k (then top-p) survivors include token 0."""
+    rng = np.random.default_rng(400)
+    x = rng.normal(size=UNEVEN_VOCAB) * 2.0
+    x[0] = x.max() - rng.random() * 0.5
+    probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    t, k = 1.3, 10
+    return probs, (t, k, robust_top_p(reference_probs(probs, t, k, is_logits=False), rng), 0.0)
+
+
+def _coarse_row():
+    """World 4: top tokens at slot (511 | 512) and shard borders (999: the single-token shard);
+    min-p only (no collective for the cut: the draw over coarse slots is what is tested)."""
+    rng = np.random.default_rng(300)
+    x = rng.normal(size=COARSE_VOCAB)
+    for token in (999, 511, 512, 1000, 1599, 0, 1300, 1299):
+        x[token] = x.max() - rng.random() * 0.5
+    t = 0.8
+    return x, (t, 0, 1.0, robust_min_p(np.exp((x - x.max()) / t), rng))
+
+
+# Joint law of two draws without replacement: 8 finite tokens spread over both shards of
+# world 2 (0 is the single-token one); the other logits are -inf.
+JOINT_TOKENS = [0, 19, 20, 21, 36, 37, 45, 49]
+JOINT_LOGITS = [1.0, 0.2, -0.5, 0.7, 0.0, 1.3, -1.0, 0.4]
+
+
+def _joint_row() -> np.ndarray:
+    x = np.full(UNEVEN_VOCAB, -np.inf)
+    x[JOINT_TOKENS] = JOINT_LOGITS
+    return x
+
+
+def joint_tuples() -> np.ndarray:
+    """The ordered pairs of distinct positions in JOINT_TOKENS."""
+    k = len(JOINT_TOKENS)
+    return np.array([(a, b) for a in range(k) for b in range(k) if a != b])
+
+
+# One law per code path: Python top-k (the candidates all-gather, a shard shorter than k) with
+# min-p; probabilities with top-k and top-p (the tie count all-reduce); num_samples=2; coarse
+# slots on four shards. Top-p and min-p lie halfway between distinct values (robust_top_p).
+LAWS = {
+    "logits top-k min-p": LawSpec(2, "logits", *_peaked_at_the_single_token_shard(), 2_860_000),
+    "probs top-k top-p": LawSpec(2, "probs", *_probs_on_both_shards(), 1_450_000),
+    "joint n=2": LawSpec(2, "logits", _joint_row(), (1.0, 0, 1.0, 0.0), 4_120_000, 2),
+    "coarse min-p": LawSpec(4, "logits", *_coarse_row(), 630_000, coarse=True),
+}
+LAW_CHUNK_ROWS = 16384  # rows per call (~4 us a row; fewer rows pay more per-call overhead)
+LAW_CHUNK_ELEMENTS = 1 << 22  # and at most this many weights per call on the widest shard
+EQUAL_ROWS = 1024  # seeds per row whose tensor-control tokens are compared with Python's
+
+
+def law_counts(spec: LawSpec, rank: int) -> np.ndarray:
+    """Counts of ``spec.draws`` draws: per token, or per pair ``a * vocab + b``."""
+    span = spec.spans()[rank]
+    local = shard(torch.tensor(spec.row[None], dtype=torch.float32), span)
+    t, k, p, m = spec.controls
+    widest = max(end - start for start, end in spec.spans())  # the same on every rank
+    chunk = min(LAW_CHUNK_ROWS, LAW_CHUNK_ELEMENTS // widest)
+    vocab = spec.vocab
+    counts = torch.zeros(vocab**spec.num_samples, dtype=torch.int64)
+    for start in range(0, spec.draws, chunk):
+        rows = min(chunk, spec.draws - start)
+        out = fsd.sample(
+            **{spec.source: local.expand(rows, -1)},
+            vocab_start=span[0],
+            vocab_size=vocab,
+            temperature=t,
+            top_k=k,
+            top_p=p,
+            min_p=m,
+            num_samples=spec.num_samples,
+            seed=torch.arange(start, start + rows),
+        )
+        assert bool(out.valid.all())
+        ids = out.token_ids[:, 0]
+        if spec.num_samples == 2:
+            ids = ids * vocab + out.token_ids[:, 1]
+        counts += torch.bincount(ids, minlength=len(counts))
+    return counts.numpy()
 
 
 def exact_configs(vocab: int, seed: int, rows: int):
@@ -198,121 +331,50 @@ def exact_configs(vocab: int, seed: int, rows: int):
     return np.stack(xs), controls
 
 
-def draw_counts(span, vocab: int, x: np.ndarray, controls, scalar: bool) -> np.ndarray:
-    """Token counts ``(rows, vocab)`` of ``DRAWS`` draws per row, one call per row."""
-    counts = np.zeros((len(x), vocab))
-    data = torch.tensor(x, dtype=torch.float32)
-    draws = DRAWS["scalar" if scalar else "tensor"]
-    for r, (t, k, p, m) in enumerate(controls):
-        rows = shard(data[r : r + 1], span).expand(draws, -1)
-        if scalar:
-            ctl = dict(temperature=t, top_k=k, top_p=p, min_p=m)
-        else:
-            ctl = dict(
-                temperature=torch.full((draws,), t),
-                top_k=torch.full((draws,), k),
-                top_p=torch.full((draws,), p),
-                min_p=torch.full((draws,), m),
-            )
-        seeds = torch.arange(draws) + 1_000_003 * r
-        out = fsd.sample(rows, vocab_start=span[0], vocab_size=vocab, seed=seeds, **ctl)
-        assert bool(out.valid.all())
-        counts[r] = np.bincount(out.token_ids[:, 0].numpy(), minlength=vocab)
-    return counts
-
-
-def draw_probs_counts(span, vocab: int, probs: np.ndarray, draws: int) -> np.ndarray:
-    """Counts of ``draws`` plain draws from a ``(vocab,)`` law given as probabilities."""
-    rows = shard(torch.tensor(probs[None]), span).expand(draws, -1)
-    out = fsd.sample(probs=rows, vocab_start=span[0], vocab_size=vocab, seed=torch.arange(draws))
-    return np.bincount(out.token_ids[:, 0].numpy(), minlength=vocab).astype(np.float64)
-
-
-def shard_local_law(x: np.ndarray, t: float, k: int, spans) -> np.ndarray:
-    """The law a sampler with the classic sharding bug draws from: each shard keeps its own
-    top-k (relative to its own maximum) and the kept weights are pooled."""
-    weights = np.exp((x - x.max()) / t)
-    keep = np.zeros(len(x), dtype=bool)
-    for start, end in spans:
-        piece = weights[start:end]
-        kth = np.sort(piece)[::-1][min(k, len(piece)) - 1]
-        keep[start:end] = piece >= kth
-    out = np.where(keep, weights, 0.0)
-    return out / out.sum()
-
-
-def scenario_exact(rank: int, world: int) -> dict:
-    span = UNEVEN[world][rank]
-    xs, controls = exact_configs(UNEVEN_VOCAB, seed=world, rows=CONFIGS)
-    out = {
-        "tensor": draw_counts(span, UNEVEN_VOCAB, xs, controls, scalar=False),
-        "scalar": draw_counts(span, UNEVEN_VOCAB, xs, controls, scalar=True),
-    }
-    # Negative controls, drawn by the same sampler from the wrong laws.
-    x, t, k = xs[0], 1.0, 6
-    right = reference_probs(x, t, k)
-    buggy = shard_local_law(x, t, k, UNEVEN[world])
-    # Each at the size of the scalar test it guards: the mid-mass tokens 1.5x the claimed
-    # detectable bias more likely, even-index tokens x1.5, ids one place off.
-    draws = DRAWS["scalar"]
-    ours = draw_counts(span, UNEVEN_VOCAB, x[None], [(t, k, 1.0, 0.0)], scalar=True)
-    shifted = draw_probs_counts(span, UNEVEN_VOCAB, right, draws)
-    mid_mass = mid_mass_biased(right, 1.5 * CLAIM)
-    out["negative"] = {
-        "right": right,
-        "buggy": draw_probs_counts(span, UNEVEN_VOCAB, buggy, draws),
-        "mid-mass": draw_probs_counts(span, UNEVEN_VOCAB, mid_mass, draws),
-        "even x1.5": draw_probs_counts(span, UNEVEN_VOCAB, parity_biased(right), draws),
-        "off by one": np.roll(shifted, 1),
-        "ours": ours,
-    }
-    # Coarse slots (what a vocabulary beyond ~262k entries uses), forced on a small one.
-    span = COARSE[world][rank]
-    saved = _shard.MAX_SLOTS
-    _shard.MAX_SLOTS = 8
-    try:
-        xs, controls = exact_configs(COARSE_VOCAB, seed=10 + world, rows=2)
-        out["coarse"] = draw_counts(span, COARSE_VOCAB, xs, controls, scalar=True)
-        layout = _shard.make_layout(span[0], span[1] - span[0], COARSE_VOCAB, rank, world)
-        out["coarse per_slot"] = layout.per_slot
-    finally:
-        _shard.MAX_SLOTS = saved
+def tensor_and_python_tokens(span, source: str, x: np.ndarray, controls) -> dict:
+    """Ids of EQUAL_ROWS draws of row ``x`` (seeds 0, 1, ...) with the controls as Python
+    numbers and as ``(B,)`` tensors."""
+    data = shard(torch.tensor(x[None], dtype=torch.float32), span).expand(EQUAL_ROWS, -1)
+    names = ("temperature", "top_k", "top_p", "min_p")
+    python = dict(zip(names, controls, strict=True))
+    tensors = {name: torch.full((EQUAL_ROWS,), value) for name, value in python.items()}
+    common = dict(vocab_start=span[0], vocab_size=len(x), seed=torch.arange(EQUAL_ROWS))
+    out = {}
+    for kind, ctl in (("python", python), ("tensor", tensors)):
+        got = fsd.sample(**{source: data}, **common, **ctl)
+        assert bool(got.valid.all())
+        out[kind] = got.token_ids[:, 0]
     return out
 
 
-# Joint law of two draws without replacement: 8 finite tokens spread over every shard (the
-# single-token one included, and both sides of coarse-slot and shard boundaries).
-JOINT_IDS = {
-    UNEVEN_VOCAB: [0, 19, 20, 21, 36, 37, 45, 49],
-    COARSE_VOCAB: [0, 511, 512, 700, 998, 999, 1000, 1599],
-}
-JOINT_LOGITS = [1.0, 0.2, -0.5, 0.7, 0.0, 1.3, -1.0, 0.4]
-JOINT_DRAWS = 20000
+CONFIGS = 4  # tensor against Python controls: one row of each kind (peaked, flat, ties, masked)
 
 
-def joint_row(vocab: int) -> torch.Tensor:
-    x = torch.full((1, vocab), -math.inf)
-    x[0, JOINT_IDS[vocab]] = torch.tensor(JOINT_LOGITS)
-    return x
-
-
-def joint_pairs(span, vocab: int, draws: int) -> torch.Tensor:
-    rows = shard(joint_row(vocab), span).expand(draws, -1)
-    out = fsd.sample(
-        rows, vocab_start=span[0], vocab_size=vocab, num_samples=2, seed=torch.arange(draws)
-    )
-    assert bool(out.valid.all())
-    return out.token_ids
-
-
-def scenario_joint(rank: int, world: int) -> dict:
-    out = {"uneven": joint_pairs(UNEVEN[world][rank], UNEVEN_VOCAB, JOINT_DRAWS)}
-    saved = _shard.MAX_SLOTS
-    _shard.MAX_SLOTS = 8
-    try:
-        out["coarse"] = joint_pairs(COARSE[world][rank], COARSE_VOCAB, JOINT_DRAWS)
-    finally:
-        _shard.MAX_SLOTS = saved
+def scenario_exact(rank: int, world: int) -> dict:
+    out: dict = {"laws": {}, "equal": {}}
+    for name, spec in LAWS.items():
+        if spec.world != world:
+            continue
+        saved = _shard.MAX_SLOTS
+        _shard.MAX_SLOTS = 8 if spec.coarse else saved
+        try:
+            out["laws"][name] = law_counts(spec, rank)
+            if spec.coarse:
+                span = spec.spans()[rank]
+                layout = _shard.make_layout(span[0], span[1] - span[0], spec.vocab, rank, world)
+                out["coarse per_slot"] = layout.per_slot
+            if spec.num_samples == 1:
+                span = spec.spans()[rank]
+                out["equal"][name] = tensor_and_python_tokens(
+                    span, spec.source, spec.row, spec.controls
+                )
+        finally:
+            _shard.MAX_SLOTS = saved
+    xs, controls = exact_configs(UNEVEN_VOCAB, seed=world, rows=CONFIGS)
+    for row, (x, c) in enumerate(zip(xs, controls, strict=True)):
+        out["equal"][f"config {row}"] = tensor_and_python_tokens(
+            UNEVEN[world][rank], "logits", x, c
+        )
     return out
 
 
@@ -446,7 +508,6 @@ SCENARIOS = {
     "bitwise": scenario_bitwise,
     "uneven": scenario_uneven,
     "exact": scenario_exact,
-    "joint": scenario_joint,
     "greedy_ties": scenario_greedy_ties,
     "invalid": scenario_invalid,
     "traffic": scenario_traffic,
@@ -464,10 +525,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _keep_freed_memory() -> None:
+    """Keep freed blocks of up to 256 MiB in the heap: by default glibc unmaps every large
+    block freed and the next call faults it back in, a third of the law draws' CPU time."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            return
+        libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
+
+
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     # Loopback only (macOS names it lo0).
     os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
     torch.set_num_threads(1)  # world processes share 2 cores
+    _keep_freed_memory()
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
