@@ -311,16 +311,27 @@ def test_sample_frequencies_match_reference(scalar):
     assert_sampler_exact(counts, want, variant)
 
 
-def test_sample_frequencies_many_blocks_and_probs_input():
+MANY_BLOCKS_DRAWS = 20000  # per row: detects 37% (a V=1,300 draw costs ~55 V=24 draws)
+MANY_BLOCKS_CLAIM = 0.37
+MANY_BLOCKS_CARRIED = (
+    "a smoke test of several blocks: its law is process()'s distribution, equal to the float64 "
+    "reference within 1e-6 (test_process_matches_reference_with_mixed_tensor_controls[700, "
+    "2999]), drawn by the blocked inverse CDF (ops.inverse_cdf.inverse_cdf_draw, as "
+    "sample_from_probs: tests/test_exactness.py::test_single_draw_law at V=1000 and 4099, full "
+    "power); the controls' law at 2%: test_sample_frequencies_match_reference"
+)
+
+
+def many_blocks_configurations():
+    """``(x, controls, logits laws, probs, probs laws)``: two rows of V=1300 (6 blocks),
+    top-k 400 then top-p, and min-p."""
     rng = np.random.default_rng(9)
     x = rng.normal(size=(2, 1300)) * 2
-    controls = [(0.8, 400, 0.0, 0.0), (1.3, 0, 0.0, 0.0)]
     survivors = reference_probs(x[0], 0.8, 400)
-    controls[0] = (0.8, 400, robust_top_p(survivors, rng), 0.0)
-    controls[1] = (1.3, 0, 1.0, robust_min_p(np.exp((x[1] - x[1].max()) / 1.3), rng))
-    want = reference_rows(x, controls)
-    counts = draw_counts(torch.tensor(x, dtype=torch.float32), controls, 20000, scalar=False)
-    assert_sampler_exact(counts, want, "V=1300")
+    controls = [
+        (0.8, 400, robust_top_p(survivors, rng), 0.0),
+        (1.3, 0, 1.0, robust_min_p(np.exp((x[1] - x[1].max()) / 1.3), rng)),
+    ]
     probs = torch.softmax(torch.tensor(x), -1)
     want_p = np.stack(
         [
@@ -328,7 +339,15 @@ def test_sample_frequencies_many_blocks_and_probs_input():
             for p, c in zip(probs.numpy(), controls, strict=True)
         ]
     )
-    counts_p = draw_counts(probs, controls, 20000, scalar=True, is_logits=False)
+    return x, controls, reference_rows(x, controls), probs, want_p
+
+
+def test_sample_frequencies_many_blocks_and_probs_input():
+    x, controls, want, probs, want_p = many_blocks_configurations()
+    x32 = torch.tensor(x, dtype=torch.float32)
+    counts = draw_counts(x32, controls, MANY_BLOCKS_DRAWS, scalar=False)
+    assert_sampler_exact(counts, want, "V=1300")
+    counts_p = draw_counts(probs, controls, MANY_BLOCKS_DRAWS, scalar=True, is_logits=False)
     assert_sampler_exact(counts_p, want_p, "probs V=1300")
 
 
@@ -607,3 +626,8 @@ def law_cases():
         _, _, want, draws = configurations(variant)
         for (kind, *_), law, n in zip(PLANS[variant], want, draws, strict=True):
             yield LawCase(f"controls {variant} V={V} {kind}", law, n, CLAIM)
+    _, _, want, _, want_p = many_blocks_configurations()
+    for source, laws in (("logits", want), ("probs", want_p)):
+        for row, law in enumerate(laws):
+            name = f"many blocks {source} V=1300 row {row}"
+            yield LawCase(name, law, MANY_BLOCKS_DRAWS, MANY_BLOCKS_CLAIM, MANY_BLOCKS_CARRIED)
