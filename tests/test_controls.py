@@ -1,11 +1,13 @@
 """Sampling controls (fastsample.controls, fastsample.sample) against a float64 sort reference.
 
 Families: ``process`` equals the reference (same support, 1e-6) for mixed per-row tensor
-controls and for Python scalars (the static fast paths); the sampler's frequencies pass a
-chi-square test against the reference, never leave its support and reach every likely
-token; greedy, logprobs and top_logprobs; bad input; batch invariance with seeds; graph
-safety. Negative controls: the same exactness test, at its size, rejects the classic top-p
-bug (mass taken before the top-k cut), a mid-mass bias, a parity bias and an off-by-one id.
+controls and for Python scalars (the static fast paths); the sampler's frequencies pass the
+law test against the reference (a 2% bias detected at V=24: one configuration of each kind
+per variant, 0.7-3M draws each), never leave its support and reach every likely token;
+greedy, logprobs and top_logprobs; bad input; batch invariance with seeds; graph safety.
+Negative controls: the same law test, at each configuration's size, rejects the classic
+top-p bug (mass taken before the top-k cut), a mid-mass bias, a parity bias and an
+off-by-one id.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ import fastsample.ops.cuts
 import fastsample.ops.select
 from fastsample.ops.threads import one_thread
 from reference import reference_probs, robust_min_p, robust_top_p
-from stattests import LawCase, assert_law, law_rejected, mid_mass_biased, parity_biased
+from stattests import (
+    LawCase,
+    assert_law,
+    law_rejected,
+    mid_mass_biased,
+    parity_biased,
+    shifted_law,
+)
 
 KINDS = ("peaked", "flat", "ties", "masked", "equal", "single")
 CLAIM = 0.02  # the relative bias on 10% of the mass each frequency test detects (p < 1e-6)
@@ -200,7 +209,7 @@ def draw_counts(x: torch.Tensor, controls, draws, *, scalar: bool, is_logits=Tru
     of row ``r``, one seed per draw, in calls of up to ``CHUNK`` rows. Tensor controls: the
     configurations share each call, every row carrying its own values; Python scalars: one
     configuration per call. On one thread: chains of small ops over a few thousand rows
-    stall in torch's parallel regions on a busy machine (fastsample.ops.threads), 5x here."""
+    stall in torch's parallel regions on a busy machine (fastsample.ops.threads), 5-10x here."""
     with one_thread(x.device):
         return _draw_counts(x, controls, draws, scalar, is_logits, step)
 
@@ -243,7 +252,7 @@ def top_p_keeping(weights: np.ndarray, values: int) -> float:
     last = np.flatnonzero(np.append(ranked[1:] != ranked[:-1], True))
     masses = np.append(0.0, np.cumsum(ranked)[last] / weights.sum())
     n = min(values, len(masses) - 1)
-    assert masses[n] - masses[n - 1] > 1e-4 and (n == values or n == len(masses) - 1)
+    assert masses[n] - masses[n - 1] > 1e-4  # float32 top_p and sums resolve the cut
     return float((masses[n - 1] + masses[n]) / 2)
 
 
@@ -364,7 +373,12 @@ def test_negative_controls_are_rejected():
         for x, c, law, n in zip(xs, controls, want, draws, strict=True):
             buggy = reference_probs(x, *c, top_p_on_all=True)
             top_p_bugs += not np.allclose(buggy, law)
-            wrongs = (buggy, mid_mass_biased(law, 1.5 * CLAIM), parity_biased(law), np.roll(law, 1))
+            wrongs = (
+                buggy,
+                mid_mass_biased(law, 1.5 * CLAIM),
+                parity_biased(law),
+                shifted_law(law),
+            )
             for wrong in wrongs:
                 if not np.allclose(wrong, law, rtol=0, atol=1e-12):  # else it is no bug here
                     assert law_rejected(rng.multinomial(n, wrong), law), f"{variant} {c}"
