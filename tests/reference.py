@@ -77,6 +77,26 @@ def robust_min_p(weights: np.ndarray, rng: np.random.Generator) -> float:
     return float((ratios[j] + ratios[j + 1]) / 2)
 
 
+def top_p_keeping(weights: np.ndarray, values: int) -> float:
+    """A top_p keeping the ``values`` most likely distinct values of ``weights`` (all of them
+    if there are fewer), halfway between two cumulative masses (robust to rounding)."""
+    ranked = np.sort(weights[weights > 0])[::-1]
+    last = np.flatnonzero(np.append(ranked[1:] != ranked[:-1], True))
+    masses = np.append(0.0, np.cumsum(ranked)[last] / weights.sum())
+    n = min(values, len(masses) - 1)
+    assert masses[n] - masses[n - 1] > 1e-4  # float32 top_p and sums resolve the cut
+    return float((masses[n - 1] + masses[n]) / 2)
+
+
+def min_p_keeping(weights: np.ndarray, values: int) -> float:
+    """A min_p keeping the ``values`` largest distinct weights, halfway between two ratios to
+    the largest (checked to be well apart)."""
+    ratios = np.append(np.unique(weights[weights > 0] / weights.max())[::-1], 0.0)
+    n = min(values, len(ratios) - 1)
+    assert ratios[n - 1] - ratios[n] > 1e-4 * ratios[n - 1]
+    return float((ratios[n - 1] + ratios[n]) / 2)
+
+
 # ---- exact thresholds (tests/ops/test_select.py, tests/kernels/test_triton_select.py)
 
 

@@ -24,7 +24,7 @@ import fastsample as fs
 import fastsample.ops.cuts
 import fastsample.ops.select
 from fastsample.ops.threads import one_thread
-from reference import reference_probs, robust_min_p, robust_top_p
+from reference import min_p_keeping, reference_probs, robust_min_p, robust_top_p, top_p_keeping
 from stattests import (
     LawCase,
     assert_law,
@@ -243,26 +243,6 @@ def assert_sampler_exact(counts: np.ndarray, want: np.ndarray, what: str) -> Non
         assert_law(counts[row], want[row], what=f"{what} row {row}")
         likely = want[row] * counts[row].sum() >= 20
         assert (counts[row][likely] > 0).all(), f"{what} row {row}: a likely token never drawn"
-
-
-def top_p_keeping(weights: np.ndarray, values: int) -> float:
-    """A top_p keeping the ``values`` most likely distinct values of ``weights`` (all of them
-    if there are fewer), halfway between two cumulative masses (robust to rounding)."""
-    ranked = np.sort(weights[weights > 0])[::-1]
-    last = np.flatnonzero(np.append(ranked[1:] != ranked[:-1], True))
-    masses = np.append(0.0, np.cumsum(ranked)[last] / weights.sum())
-    n = min(values, len(masses) - 1)
-    assert masses[n] - masses[n - 1] > 1e-4  # float32 top_p and sums resolve the cut
-    return float((masses[n - 1] + masses[n]) / 2)
-
-
-def min_p_keeping(weights: np.ndarray, values: int) -> float:
-    """A min_p keeping the ``values`` largest distinct weights, halfway between two ratios to
-    the largest (well apart: the plans' logits have no near ties)."""
-    ratios = np.append(np.unique(weights[weights > 0] / weights.max())[::-1], 0.0)
-    n = min(values, len(ratios) - 1)
-    assert ratios[n - 1] - ratios[n] > 1e-4 * ratios[n - 1]
-    return float((ratios[n - 1] + ratios[n]) / 2)
 
 
 V = 24
