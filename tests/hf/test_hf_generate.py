@@ -12,14 +12,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import first_two_law, left_pad, next_token_law, stub_model, tiny_llama
+from hf_models import first_two_law, left_pad, next_token_law, stub_model, tiny_llama, warpers
 from transformers.generation import GenerationMixin
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
+import fastsample as fs
 import fastsample.hf as fh
-from stattests import assert_law, law_rejected
+from fastsample.ops.seeds import Stream
+from stattests import BIAS_MASS, POWER, LawCase, assert_law, law_rejected
 
 PROMPT = [5, 17, 3, 42, 9]
 DRAWS = 20_000
@@ -63,6 +65,36 @@ def test_first_two_tokens_follow_transformers_warpers(law_model, controls):
     rng = np.random.default_rng(0)
     assert law_rejected(rng.multinomial(DRAWS, biased(first_law)), first_law)
     assert law_rejected(rng.multinomial(DRAWS, biased(joint)), joint)
+
+
+# Requests (8 prompts, left-padded, each repeated) x new tokens of the equality test below:
+# 3,072 draws per setting, none allowed to differ, detect a law 2% off on 10% of the mass
+# (the law test above detects ~25-35% at its size; law_cases).
+SAME_REPEATS, SAME_TOKENS = 128, 3
+
+
+@pytest.mark.parametrize("controls", CONTROLS, ids=["T-topk-topp", "T-minp"])
+def test_tokens_equal_fastsample_sample_with_the_same_seeds(law_model, controls):
+    """Every token the loop draws is ``fastsample.sample``'s, bitwise, called directly on the
+    logits the loop saw with the request's seed, its position as ``step`` and
+    ``Stream.SAMPLE``; and what it samples from (``fastsample.process``) is transformers'
+    warpers' law on those logits. So the loop's law is fastsample.sample's, which
+    tests/test_controls.py judges at full power."""
+    ids, mask = left_pad(PROMPTS)
+    ids, mask = ids.repeat(SAME_REPEATS, 1), mask.repeat(SAME_REPEATS, 1)
+    seeds = torch.randint(0, 2**62, (ids.shape[0],), generator=torch.Generator().manual_seed(8))
+    out = fh.generate(law_model, ids, attention_mask=mask, do_sample=True,
+                      max_new_tokens=SAME_TOKENS, seed=seeds, return_dict_in_generate=True,
+                      output_logits=True, **controls)
+    controls = {"top_k": 50, **controls}  # transformers' default top_k applies if none is given
+    for t, logits in enumerate(out.logits):
+        position = mask.sum(-1) + t  # the request's real tokens before this one
+        want = fs.sample(logits, **controls, seed=seeds, step=position, stream=Stream.SAMPLE)
+        assert torch.equal(out.sequences[:, ids.shape[1] + t], want.token_ids[:, 0]), t
+        theirs = torch.softmax(warpers(**controls)(out.sequences, logits).double(), -1)
+        ours = fs.process(logits, **controls).double()
+        assert torch.equal(ours > 0, theirs > 0), t
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
 def test_greedy_equals_model_generate_token_for_token():
@@ -219,3 +251,50 @@ def test_real_model_texts_differ_in_a_batch_only_where_its_logits_did():
         step = int(differ[0])
         assert not torch.equal(batch.logits[step][row], alone.logits[step][0]), (row, step)
     print(f"{agree} of {len(PROMPTS)} requests drew identical texts alone and in the batch")
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+def equality_bias(draws: int, mass: float = BIAS_MASS) -> float:
+    """The relative bias on ``mass`` of the probability that ``draws`` bitwise equalities with
+    an exact sampler's draws (none allowed to differ) detect with probability ``POWER``: such a
+    bias moves ``m (1 - m) delta / (1 + m delta)`` of the probability, so a sampler sharing the
+    exact one's uniforms draws another token at least that often (as
+    tests/kernels/test_triton_law.carried_bias, without triton)."""
+    rate = 1 - (1 - POWER) ** (1 / draws)
+    return rate / (mass * (1 - mass) - mass * rate)
+
+
+def law_cases():
+    """The laws judged here, their sizes and claims: ``stattests.detectable_bias`` rounded up
+    (tests/test_power.py checks them)."""
+    import functools
+
+    @functools.cache
+    def laws(which: int) -> tuple[np.ndarray, np.ndarray]:
+        with torch.random.fork_rng(devices=[]):  # tiny_llama seeds torch's global generator
+            model = tiny_llama(seed=0, head_scale=15.0)
+        controls = CONTROLS[which]
+        return next_token_law(model, PROMPT, controls).numpy(), first_two_law(
+            model, PROMPT, controls
+        ).numpy()
+
+    draws = len(PROMPTS) * SAME_REPEATS * SAME_TOKENS
+    carriers = (
+        "tokens bitwise fastsample.sample's with the same seeds and processed distributions "
+        "transformers' warpers' (tests/hf/test_hf_generate.py::test_tokens_equal_fastsample_"
+        f"sample_with_the_same_seeds, {draws} draws per setting, detect "
+        f"{equality_bias(draws):.1%} on 10% of the mass); fastsample.sample's law test: tests/"
+        "test_controls.py::test_sample_frequencies_match_reference; a generate loop per "
+        "draw costs too much for more here"
+    )
+    claims = {(0, 0): 0.25, (0, 1): 0.34, (1, 0): 0.33, (1, 1): 0.36}
+    for which, name in enumerate(("T-topk-topp", "T-minp")):
+        for part, label in ((0, "first token"), (1, "first two tokens")):
+
+            def law(which=which, part=part) -> np.ndarray:
+                return laws(which)[part]
+
+            claim = claims[which, part]
+            yield LawCase(f"generate {name}: {label}", law, DRAWS, claim, carriers)

@@ -13,10 +13,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import first_two_law, left_pad, tiny_llama, truncated_draft
+from hf_models import first_two_law, left_pad, stub_model, tiny_llama, truncated_draft
 
+import fastsample as fs
 import fastsample.hf as fh
-from stattests import assert_law, law_rejected
+from fastsample.ops.seeds import Stream
+from stattests import LawCase, assert_law, law_rejected
 
 CONTROLS = dict(temperature=0.8, top_k=10, top_p=0.95)
 PROMPTS = [[5, 17, 3, 42, 9], [8, 9], [30, 2, 2, 14], [61], [7, 6, 5, 4, 3, 2, 1],
@@ -87,6 +89,48 @@ def test_single_request_speculative_law_equals_the_targets(models):
     assert law_rejected(np.random.default_rng(2).multinomial(calls, draft_law), law)
 
 
+# Requests of the equality test below: none allowed to differ, they detect a law 2.5% off on
+# 10% of the mass (test_hf_generate.equality_bias); the law tests above detect ~85-400% here.
+SAME_REQUESTS, SAME_DRAFTS, SAME_PROMPT = 2048, 3, 5
+
+
+def test_first_round_equals_fastsample_with_the_same_seeds():
+    """The loop's first round, bitwise, is fastsample called directly with the request's seed:
+    ``sample_from_probs`` drafts (``Stream.DRAFT``, step = the drafted token's position) from
+    the draft's processed distribution, then ``verify_chain`` (step = the first draft's
+    position) on the target's; every token it emits is in the output. Stub models (logits =
+    a table row per token plus one per position) make the logits the loop saw computable
+    here. So the loop's law is verify_chain's, which tests/verify/test_chain.py judges at full
+    power."""
+    target, draft = stub_model(seed=5), stub_model(seed=6)
+    gen = torch.Generator().manual_seed(9)
+    vocab = target.config.vocab_size
+    prompts = torch.randint(1, vocab, (SAME_REQUESTS, SAME_PROMPT), generator=gen)
+    seeds = torch.randint(0, 2**62, (SAME_REQUESTS,), generator=gen)
+    k, count = SAME_DRAFTS, SAME_PROMPT  # count: the real tokens so far
+    out = fh.generate(target, prompts, assistant_model=draft, num_draft_tokens=k,
+                      do_sample=True, max_new_tokens=k + 1, seed=seeds, **CONTROLS)
+
+    def logits(model, tokens, position):
+        return model.token_table[tokens] + model.position_table[position]
+
+    last, drafts, draft_probs = prompts[:, -1], [], []
+    for i in range(k):  # the draft's token after `last`, x_0, ... at positions count - 1 + i
+        q = fs.process(logits(draft, last if i == 0 else drafts[-1], count - 1 + i), **CONTROLS)
+        drafts.append(fs.sample_from_probs(q, seed=seeds, step=count + i,
+                                           stream=Stream.DRAFT).token_ids[:, 0])
+        draft_probs.append(q)
+    fed = torch.stack([last, *drafts], 1)
+    target_logits = logits(target, fed, count - 1 + torch.arange(k + 1)).view(-1, vocab)
+    target_probs = fs.process(target_logits, **CONTROLS).view(SAME_REQUESTS, k + 1, vocab)
+    verdict = fs.verify_chain(target_probs, torch.stack(drafts, 1), torch.stack(draft_probs, 1),
+                              seed=seeds, step=count)
+    emitted = torch.arange(k + 1) <= verdict.num_accepted[:, None]
+    got = out[:, SAME_PROMPT:]
+    assert torch.equal(torch.where(emitted, got, -1), torch.where(emitted, verdict.token_ids, -1))
+    assert 0 < int(verdict.num_accepted.sum()) < k * SAME_REQUESTS  # both outcomes happen
+
+
 def test_speculative_greedy_equals_model_generate(models):
     """do_sample=False: the target's greedy tokens exactly, whatever the draft proposed,
     in a left-padded batch, with an EOS token that stops one row early."""
@@ -148,3 +192,37 @@ def test_another_architecture_gpt2():
     expected = target.generate(ids, **kwargs)
     assert torch.equal(fh.generate(target, ids, **kwargs), expected)
     assert torch.equal(fh.generate(target, ids, assistant_model=draft, **kwargs), expected)
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+def law_cases():
+    """The laws judged here, their sizes and claims: ``stattests.detectable_bias`` rounded up
+    (tests/test_power.py checks them)."""
+    import functools
+
+    from test_hf_generate import equality_bias
+
+    @functools.cache
+    def law(row: int) -> np.ndarray:
+        with torch.random.fork_rng(devices=[]):  # tiny_llama seeds torch's global generator
+            target = tiny_llama(seed=0, head_scale=15.0)
+        return first_two_law(target, PROMPTS[row], CONTROLS).numpy()
+
+    carriers = (
+        "tokens bitwise sample_from_probs' drafts and verify_chain's with the same seeds "
+        "(tests/hf/test_hf_speculative.py::test_first_round_equals_fastsample_with_the_same_"
+        f"seeds, {SAME_REQUESTS} requests, detect {equality_bias(SAME_REQUESTS):.1%} on 10% of "
+        "the mass) on processed distributions transformers' warpers' (tests/hf/test_hf_generate"
+        ".py::test_tokens_equal_fastsample_sample_with_the_same_seeds); verify_chain's law test: "
+        "tests/verify/test_chain.py::test_chain_law_with_draft_probs; a "
+        "speculative loop per draw costs too much for more here"
+    )
+    claims = [0.96, 0.84, 1.05, 0.95, 0.87, 0.94, 0.90, 0.89]  # 2,500 draws per prompt
+    for row, claim in enumerate(claims):
+        yield LawCase(
+            f"batched speculative prompt {row}: first two tokens", functools.partial(law, row),
+            2_500, claim, carriers,
+        )  # fmt: skip
+    yield LawCase("single request: first two tokens", functools.partial(law, 0), 400, 4.0, carriers)

@@ -1,7 +1,7 @@
 """The Triton backend of fast_sample and sample_from_probs against the torch path.
 
-Same counters, so the same tokens (on >= 99.9% of rows: float sums may be added in another
-order); the same bad-row policy and argument checks; batch invariance bitwise; the edges
+Same counters, so the same tokens (on all but one row in 10,000: float sums may be added in
+another order); the same bad-row policy and argument checks; batch invariance bitwise; the edges
 (V=1, B=1, B=0, V a multiple of the block or not, strided input); the launch budget (at
 most 3 device ops per call); torch.compile(fullgraph=True) through the operators. On CPU the
 kernels run in Triton's interpreter (tests/kernels/conftest.py), so sizes are small.
@@ -59,6 +59,16 @@ CASES = [
     (2, torch.float16, 40),
     (1, torch.float64, 512),
 ]
+# Rows per case: with at most allowed_mismatches(rows) differing, the 4 x 768 rows detect a law
+# 2% off on 10% of the mass (test_triton_law.carried_bias), what the Triton law tests carry.
+SEEDED_ROWS = 768
+
+
+def allowed_mismatches(rows: int) -> int:
+    """Rows that may draw another token than the torch path: only where a uniform falls within
+    float32 rounding (~1e-7) of a boundary (a GPU adds sums in another order), so one in
+    10,000 is already far more than rounding explains."""
+    return rows // 10_000
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -66,8 +76,8 @@ def test_seeded_tokens_match_torch_path(use_backend, method):
     gen = torch.Generator().manual_seed(1 if method == "race" else 2)
     rows = mismatches = 0
     for num_samples, dtype, vocab in CASES:
-        probs = random_rows(192, vocab, gen).to(dtype)
-        keys = counters(192, gen)
+        probs = random_rows(SEEDED_ROWS, vocab, gen).to(dtype)
+        keys = counters(SEEDED_ROWS, gen)
         ref, out = both(
             use_backend,
             lambda p=probs, n=num_samples, k=keys: fs.sample_from_probs(p, n, method=method, **k),
@@ -81,7 +91,8 @@ def test_seeded_tokens_match_torch_path(use_backend, method):
         close = dict(rtol=1e-12 if dtype == torch.float64 else 3e-7, atol=0)
         torch.testing.assert_close(out.probs[same], ref.probs[same], **close)
         torch.testing.assert_close(out.logprobs[same], ref.logprobs[same], rtol=1e-6, atol=1e-6)
-    assert mismatches <= rows // 1000, f"{mismatches} of {rows} rows differ from the torch path"
+    allowed = allowed_mismatches(rows)
+    assert mismatches <= allowed, f"{mismatches} of {rows} rows differ from the torch path"
 
 
 def test_fast_sample_matches_torch_path(use_backend):
