@@ -406,10 +406,9 @@ def sample(
     if kernel_backend.use_triton(source_tensor.device.type):  # FASTSAMPLE_BACKEND
         from .kernels import controls_ops
 
-        if controls_ops.serves(controls, num_samples):
-            # The kernels flag rows with an out-of-range tensor stream themselves.
-            fields = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
-            return SampleOutput(*fields)
+        # The kernels flag rows with an out-of-range tensor stream themselves.
+        fields = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
+        return SampleOutput(*fields)
     ok = stream_ok(source)  # (B,) bool for a tensor stream, else None
 
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
@@ -424,7 +423,7 @@ def sample(
             genuine = torch.where(got.greedy[:, None], greedy_genuine, genuine)
         out = _finish(logits, token_ids, genuine, got.total, got.valid, got.read)
         if got.greedy is not None:  # a point mass, as below
-            point = out.valid[:, None] & genuine & got.greedy[:, None]
+            point = got.valid[:, None] & genuine & got.greedy[:, None]
             out = out._replace(
                 probs=torch.where(point, 1.0, out.probs).to(out.probs.dtype),
                 logprobs=torch.where(point, 0.0, out.logprobs).to(out.logprobs.dtype),  # type: ignore[arg-type]
@@ -458,7 +457,8 @@ def sample(
     out = _finish(processed.weights, token_ids, genuine, total, valid)
     greedy = processed.greedy
     if greedy is not None:  # a point mass: probability 1 for every genuine greedy draw
-        point = out.valid[:, None] & genuine & greedy[:, None]
+        # of a clean row, as _all_greedy (also where fewer than n are genuine: valid False)
+        point = valid[:, None] & genuine & greedy[:, None]
         out = out._replace(
             probs=torch.where(point, 1.0, out.probs).to(out.probs.dtype),
             logprobs=torch.where(point, 0.0, out.logprobs).to(out.logprobs.dtype),  # type: ignore[arg-type]

@@ -7,7 +7,9 @@ One program per row makes every pass over its row inside the kernel, so rows nev
    and the plain total (for :func:`~fastsample.ops.validation.plain_total_fits`);
 2. the weights ``exp((x - max) / T)`` for logits, ``(p / max p)^(1/T)`` (as
    ``exp(log(p / max p) / T)``) for probabilities, written to the ``(B, V)`` weights buffer;
-   a greedy row (``T == 0``) gets the point mass at its first maximal index instead;
+   a greedy row (``T == 0``) gets the point mass at its first maximal index instead (what one
+   draw needs; with several draws the draw launch, :func:`fastsample.kernels.greedy.several`,
+   takes a greedy row's ``n`` largest inputs from the input itself);
 3. the exact cuts on those weights (:mod:`fastsample.kernels.select`): ``cut_k`` the k-th
    largest weight (ties kept), ``cut_p`` the largest threshold whose kept mass is
    ``>= top_p`` of the top-k survivors' mass, ``cut_min = min_p`` (the largest weight is 1);

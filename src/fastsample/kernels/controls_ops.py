@@ -3,9 +3,9 @@
 Entry points (arguments already checked by :func:`fastsample.sample` /
 :func:`fastsample.process`, the same checks as the torch path):
 
-* :func:`sample` ``(logits, probs, controls, num_samples, source, num_top) -> SampleOutput``;
-* :func:`process` ``(logits, probs, controls) -> (B, V)`` the processed distribution;
-* :func:`serves` -- which ``sample`` calls the kernels take (the rest stay on the torch ops).
+* :func:`sample` ``(logits, probs, controls, num_samples, source, num_top) -> SampleOutput``
+  fields, for every call (no fallback to the torch ops);
+* :func:`process` ``(logits, probs, controls) -> (B, V)`` the processed distribution.
 
 How a call runs. The controls kernel (:mod:`.controls`, one launch) makes every row's kept
 weights, block sums, total and validity; greedy rows come out as the point mass at their
@@ -15,19 +15,24 @@ the torch path's bit for bit for seeded calls (same counters); ``process`` divid
 total inside the same kernel (one launch). An all-greedy single draw (a Python
 ``temperature=0``) is one launch of :mod:`.greedy`.
 
+Several draws where rows may be greedy (a ``(B,)`` temperature, or a Python 0, with
+``num_samples > 1``): greedy rows take the ``n`` largest inputs in order (ties by the lower
+index), probability 1 per genuine draw, as the torch path. The draw launch is then
+:func:`fastsample.kernels.greedy.several` instead (``fastsample::greedy_several``): the same
+draw stage for the other rows, plus one pass over the input per draw for the greedy ones.
+An all-greedy call without ``top_logprobs`` skips the controls kernel (one launch).
+
 Launches per ``sample`` call: 2 (controls, draw), plus one ``randint`` (a per-row Philox key
-drawn from the generator) when unseeded; an all-greedy call is 1. Python ``seed``/``step``
-ints become ``(B,)`` tensors in the shared argument checks (one ``full`` each), as on the torch
-path. ``top_logprobs=N`` is N more passes inside the controls kernel (no extra launch).
+drawn from the generator) when unseeded; an all-greedy call is 1 (2 with ``top_logprobs``).
+Python ``seed``/``step`` ints become ``(B,)`` tensors in the shared argument checks (one
+``full`` each), as on the torch path. ``top_logprobs=N`` is N more passes inside the
+controls kernel (no extra launch).
 
-Operators. ``fastsample::controls`` and ``fastsample::greedy`` are ``torch.library``
-operators, so ``torch.compile(fullgraph=True)`` traces through them: ``triton_op`` when the
-kernels are compiled, ``custom_op`` with a fake implementation when interpreted. Controls given
-as Python numbers travel as float/int arguments (their off values: temperature 1, top_k 0,
-top_p 1, min_p 0), so no tensor is made for them.
-
-Not served (the torch path runs instead): several draws when some row may be greedy (a
-``(B,)`` temperature or a Python 0), where greedy means the ``n`` largest entries in order.
+Operators. ``fastsample::controls``, ``fastsample::greedy`` and ``fastsample::greedy_several``
+are ``torch.library`` operators, so ``torch.compile(fullgraph=True)`` traces through them:
+``triton_op`` when the kernels are compiled, ``custom_op`` with a fake implementation when
+interpreted. Controls given as Python numbers travel as float/int arguments (their off values:
+temperature 1, top_k 0, top_p 1, min_p 0), so no tensor is made for them.
 """
 
 from __future__ import annotations
@@ -107,20 +112,56 @@ def _greedy_fake(source, is_logits, stream):
     return _greedy.outputs(source)
 
 
+def _several_launcher(
+    source: Tensor,
+    is_logits: bool,
+    num_samples: int,
+    weights: Tensor | None,
+    sums: Tensor | None,
+    total: Tensor | None,
+    clean: Tensor | None,
+    temperature: Tensor | None,
+    seed: Tensor | None,
+    step: Tensor | None,
+    stream_rows: Tensor | None,
+    stream_value: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    processed = None
+    if weights is not None and sums is not None and total is not None and clean is not None:
+        processed = (weights, sums, total, clean)
+    stream = stream_value if stream_rows is None else stream_rows
+    return _greedy.several(source, is_logits, num_samples, processed, temperature, seed, step,
+                           stream)  # fmt: skip
+
+
+def _several_fake(source, is_logits, num_samples, *rest):
+    return _greedy.several_outputs(source, num_samples)
+
+
 controls_op = _register("controls", _controls_launcher, _controls_fake)
 greedy_op = _register("greedy", _greedy_launcher, _greedy_fake)
+several_op = _register("greedy_several", _several_launcher, _several_fake)
 
 
-def serves(controls: Controls, num_samples: int) -> bool:
-    """Whether the kernels take this ``sample`` call (see the module docstring)."""
-    may_be_greedy = isinstance(controls.temperature, Tensor) or controls.all_greedy
-    return num_samples == 1 or not may_be_greedy
+def _unit_stride(controls: Controls) -> Controls:
+    """``controls`` with every ``(B,)`` tensor readable at ``ptr + row`` (the kernels' layout):
+    a 0-dim control expanded to ``(B,)`` (stride 0) or a strided view is copied, one op."""
+
+    def rows(value):
+        if isinstance(value, Tensor) and value.stride(0) != 1:
+            return value.contiguous()
+        return value
+
+    t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
+    return Controls(rows(t), rows(k), rows(p), rows(m))
 
 
 def _tensor_stream(source: UniformSource) -> Tensor | None:
-    """The ``(B,)`` stream of a seeded call, when given as a tensor (checked in the kernel)."""
+    """The ``(B,)`` stream of a seeded call, when given as a tensor (checked in the kernel),
+    with unit stride (the controls and greedy kernels read ``ptr + row``)."""
     if isinstance(source, CounterSource) and isinstance(source.stream, Tensor):
-        return source.stream
+        stream = source.stream
+        return stream if stream.stride(0) == 1 else stream.contiguous()
     return None
 
 
@@ -136,6 +177,7 @@ def processed(
     :func:`.controls.processed_weights`, as an op."""
     source = logits if logits is not None else probs
     assert source is not None
+    controls = _unit_stride(controls)
     t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
     return controls_op(
         source,
@@ -162,29 +204,48 @@ def sample(
     source: UniformSource,
     num_top: int,
 ) -> tuple[Tensor, ...]:
-    """:func:`fastsample.sample` on the Triton backend (a call that :func:`serves` takes):
+    """:func:`fastsample.sample` on the Triton backend:
     the fields of a ``SampleOutput``, ``(token_ids, probs, valid, logprobs)`` and, with
     ``num_top``, ``top_token_ids, top_logprobs`` (the caller builds the output type, so this
     layer needs nothing from the one above)."""
     data = logits if logits is not None else probs
     assert data is not None
+    controls = _unit_stride(controls)
     stream = _tensor_stream(source)
+    is_logits = logits is not None
+    several = num_samples > 1 and (controls.all_greedy or isinstance(controls.temperature, Tensor))
     if controls.all_greedy and num_top == 0:
-        ids, p_out, logp_out, valid = greedy_op(data, logits is not None, stream)
+        if several:  # the n largest: one launch, no weights
+            ids, p_out, logp_out, valid = several_op(
+                data, is_logits, num_samples, None, None, None, None, None, None, None, stream, 0
+            )
+        else:
+            ids, p_out, logp_out, valid = greedy_op(data, is_logits, stream)
         return ids, p_out, valid, logp_out
     weights, sums, total, clean, top_ids, top_logp = processed(
         logits, probs, controls, stream, num_top
     )
     batch = data.shape[0]
-    if controls.all_greedy:
-        # Point masses draw the same token whatever the uniform: no generator state used.
-        seed = torch.zeros(batch, dtype=torch.int64, device=data.device)
-        step, stream_rows, stream_value = None, None, 0
-    else:
+    if several and controls.all_greedy:  # nothing random: the n largest after the controls
+        ids, p_out, logp_out, valid = several_op(
+            data, is_logits, num_samples, weights, sums, total, clean, None, None, None, stream, 0
+        )
+    elif several:  # rows where T is 0 take the n largest, the others draw
         seed, step, stream_rows, stream_value = counters(source, batch, data.device)
-    ids, p_out, logp_out, valid = draw_from_sums_op(
-        weights, sums, total, clean, num_samples, seed, step, stream_rows, stream_value
-    )
+        ids, p_out, logp_out, valid = several_op(
+            data, is_logits, num_samples, weights, sums, total, clean, controls.temperature,
+            seed, step, stream_rows, stream_value,
+        )  # fmt: skip
+    else:
+        if controls.all_greedy:
+            # Point masses draw the same token whatever the uniform: no generator state used.
+            seed = torch.zeros(batch, dtype=torch.int64, device=data.device)
+            step, stream_rows, stream_value = None, None, 0
+        else:
+            seed, step, stream_rows, stream_value = counters(source, batch, data.device)
+        ids, p_out, logp_out, valid = draw_from_sums_op(
+            weights, sums, total, clean, num_samples, seed, step, stream_rows, stream_value
+        )
     if num_top:
         return ids, p_out, valid, logp_out, top_ids, top_logp
     return ids, p_out, valid, logp_out

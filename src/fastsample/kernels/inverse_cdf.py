@@ -310,7 +310,7 @@ def _outputs(weights: Tensor, num_samples: int) -> tuple[Tensor, Tensor, Tensor,
     return ids, p_out, torch.empty_like(p_out), torch.empty(batch, dtype=torch.bool, device=device)
 
 
-def _counter_args(seed: Tensor, step: Tensor | None, stream: Tensor | int) -> tuple:
+def counter_arguments(seed: Tensor, step: Tensor | None, stream: Tensor | int) -> tuple:
     """Kernel arguments for the counters: pointers, strides and the stream number."""
     stream_rows = isinstance(stream, Tensor)
     return (
@@ -320,7 +320,7 @@ def _counter_args(seed: Tensor, step: Tensor | None, stream: Tensor | int) -> tu
     )  # fmt: skip
 
 
-def _static_sizes(batch: int, vocab: int, num_samples: int) -> dict:
+def draw_sizes(batch: int, vocab: int, num_samples: int) -> dict:
     tile = launch.tile_width(vocab)
     num_blocks = triton.cdiv(vocab, tile)
     sums_tile = min(max(16, triton.next_power_of_2(num_blocks)), MAX_SUMS_TILE)
@@ -343,7 +343,7 @@ def inverse_cdf(
     batch, vocab = probs.shape
     ids, p_out, logp_out, valid = _outputs(probs, num_samples)
     if batch:
-        sizes = _static_sizes(batch, vocab, num_samples)
+        sizes = draw_sizes(batch, vocab, num_samples)
         step_blocks = min(STEP_BLOCKS, triton.next_power_of_2(triton.cdiv(vocab, sizes["TILE"])))
         sizes["ROWS"] = max(1, sizes["ROWS"] // step_blocks)  # the same interpreter tile size
         sums = torch.empty(
@@ -352,7 +352,7 @@ def inverse_cdf(
         launch.count_launch()
         launch.launcher(_inverse_cdf_kernel, INTERPRETED)[launch.grid(batch, sizes["ROWS"])](
             probs, batch, vocab, probs.stride(0), probs.stride(1), sums, sums.stride(0),
-            *_counter_args(seed, step, stream), ids, p_out, logp_out, valid,
+            *counter_arguments(seed, step, stream), ids, p_out, logp_out, valid,
             HAS_STEP=step is not None, STREAM_ROWS=isinstance(stream, Tensor),
             SUM_F64=probs.dtype == torch.float64, STEP_BLOCKS=step_blocks, **sizes,
         )  # fmt: skip
@@ -384,14 +384,14 @@ def draw_from_sums(
     """
     batch, vocab = weights.shape
     ids, p_out, logp_out, valid = _outputs(weights, num_samples)
-    sizes = _static_sizes(batch, vocab, num_samples)
+    sizes = draw_sizes(batch, vocab, num_samples)
     if sums.shape != (batch, triton.cdiv(vocab, sizes["TILE"])) or sums.stride(1) != 1:
         raise ValueError(f"sums must be ({batch}, ceil(V / 256)) float64 with unit column stride")
     if batch:
         launch.count_launch()
         launch.launcher(_draw_kernel, INTERPRETED)[launch.grid(batch, sizes["ROWS"])](
             weights, batch, vocab, weights.stride(0), weights.stride(1), sums, sums.stride(0),
-            total, clean, *_counter_args(seed, step, stream), ids, p_out, logp_out, valid,
+            total, clean, *counter_arguments(seed, step, stream), ids, p_out, logp_out, valid,
             HAS_STEP=step is not None, STREAM_ROWS=isinstance(stream, Tensor), **sizes,
         )  # fmt: skip
     return ids, p_out, logp_out, valid

@@ -96,6 +96,7 @@ def public_calls(
     top_k = torch.full((batch,), 50, device=device, dtype=torch.int64)
     top_p = torch.full((batch,), 0.9, device=device)
     min_p = torch.full((batch,), 0.05, device=device)
+    greedy_rows = torch.where(seeds % 2 == 0, 0.0, temperature)  # T = 0 on even rows
     return [
         ("fast_sample(probs)", lambda: fs.fast_sample(probs)),
         ("fast_sample(probs, 2, seed=7)", lambda: fs.fast_sample(probs, 2, seed=7)),
@@ -110,9 +111,14 @@ def public_calls(
         ("sample(logits, T, top_k, top_p, min_p tensors, seed=, step= tensors)",
          lambda: fs.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                            min_p=min_p, seed=seeds, step=steps)),
+        ("sample(logits, T (greedy rows), top_k, top_p tensors, 2 draws, seed= tensor)",
+         lambda: fs.sample(logits, temperature=greedy_rows, top_k=top_k, top_p=top_p,
+                           num_samples=2, seed=seeds)),
         ("sample(logits, T=0.8, top_k=50, top_p=0.9, seed=7)",
          lambda: fs.sample(logits, temperature=0.8, top_k=50, top_p=0.9, seed=7)),
         ("sample(logits, temperature=0)", lambda: fs.sample(logits, temperature=0)),
+        ("sample(logits, temperature=0, num_samples=2)",
+         lambda: fs.sample(logits, temperature=0, num_samples=2)),
     ]  # fmt: skip
 
 
