@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import sys
@@ -36,10 +37,22 @@ from stattests import (
 from test_exactness import CASES, case_row, drawn_as, sampler, single_draw_counts
 
 TESTS = Path(__file__).parent
-_JUDGES = re.compile(r"\b(assert_law|law_rejected|law_test)\(")
+# The law functions of stattests, and the helpers' functions that call them: a module calling
+# any of these judges a law (test_helpers_judging_functions_are_known keeps the list whole).
+JUDGING_FUNCTIONS = {
+    "assert_law",
+    "law_rejected",
+    "law_test",
+    "assert_laws",  # verify_helpers
+    "laws_rejected",  # verify_helpers
+    "assert_drawn_laws",  # verify_helpers
+    "drawn_laws_rejected",  # verify_helpers
+}
+_JUDGES = re.compile(r"\b(" + "|".join(sorted(JUDGING_FUNCTIONS)) + r")\(")
 # Modules that call the law functions without judging a law of their own: the toolkit, this
 # module, and the helpers whose procedures the registered test modules call.
-_NOT_JUDGES = {"stattests", "test_power", "verify_helpers", "distributed_helpers"}
+HELPERS = {"verify_helpers", "distributed_helpers"}
+_NOT_JUDGES = {"stattests", "test_power", *HELPERS}
 
 
 def judging_modules() -> list[Path]:
@@ -101,6 +114,16 @@ def test_every_law_test_is_registered():
     assert unregistered <= NOT_YET_REGISTERED, f"judge a law but register none: {unregistered}"
     names = [c.name for c in LAW_CASES]
     assert len(names) == len(set(names)), "two registered law cases share a name"
+
+
+def test_helpers_judging_functions_are_known():
+    """A helper function that calls a law function is itself one (else its callers would
+    escape the registry)."""
+    for name in HELPERS:
+        tree = ast.parse((TESTS / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and _JUDGES.search(ast.unparse(node)):
+                assert node.name in JUDGING_FUNCTIONS, f"{name}.{node.name} judges a law"
 
 
 @pytest.mark.parametrize("case", LAW_CASES, ids=[c.name for c in LAW_CASES])
