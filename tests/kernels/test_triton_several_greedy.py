@@ -304,12 +304,38 @@ _COMPILE = textwrap.dedent("""
         source = ASTSource(kernel, signature, constexprs=constants)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
         print("compiled", mode)
+
+    # The GPU registration (triton_op around a wrap_triton launch) traces under fake tensors.
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastsample.kernels import controls_ops
+
+    assert not controls_ops.INTERPRETED
+    x, t, seed = torch.randn(4, 300), torch.tensor([0.0, 1.0, 0.0, 0.5]), torch.arange(4)
+
+    def mixed(x, t, seed):
+        controls = controls_ops.controls_op(
+            x, True, t, 1.0, None, 0, None, 0.9, None, 0.0, None, 0, False
+        )
+        return controls_ops.several_op(x, True, 2, *controls[:4], t, seed, None, None, 0)
+
+    def every_row(x, t, seed):
+        return controls_ops.several_op(x, True, 3, None, None, None, None, None, None, None,
+                                       None, 0)  # fmt: skip
+
+    for call in (mixed, every_row):
+        graph = make_fx(call, tracing_mode="fake")(x, t, seed).graph
+        targets = [str(node.target) for node in graph.nodes if node.op == "call_function"]
+        assert "fastsample.greedy_several.default" in targets, targets
+    print("traced")
 """)
 
 
 def test_kernel_compiles_for_a_gpu(tmp_path):
     """Compiled Triton is stricter than the interpreter: the kernel builds for sm_90 (no GPU
-    needed), with sampled and greedy rows and with every row greedy."""
+    needed), with sampled and greedy rows and with every row greedy; and its ``triton_op``
+    registration traces under fake tensors (as ``torch.compile`` on a GPU)."""
     script = tmp_path / "compile_several.py"
     script.write_text(_COMPILE)
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
@@ -324,6 +350,7 @@ def test_kernel_compiles_for_a_gpu(tmp_path):
     ):
         pytest.skip("no ptxas in this triton installation")
     assert done.returncode == 0 and done.stdout.count("compiled") == 2, done.stderr[-4000:]
+    assert "traced" in done.stdout
 
 
 def test_torch_path_greedy_probabilities_agree_across_control_forms(backend):
