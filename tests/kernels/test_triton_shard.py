@@ -1,7 +1,11 @@
 """distributed.sample on the Triton backend (two gloo ranks, kernels interpreted on CPU): the same
-tokens and validity as one-process sampling on both backends, probabilities to the last bits, on
-aligned and unaligned shards, logits and probabilities, bad rows; one round costs at most three
-launches per rank beyond its collectives; calls the kernels do not cover take the torch path."""
+tokens and validity as the torch path and as one-process sampling, probabilities to the last
+bits (float32 block sums in another order), on aligned and unaligned shards, logits and
+probabilities, bad rows, ties, out-of-range tensor controls; every control as a Python number
+or a tensor (candidate and radix top-k, candidate and radix top-p, min-p, greedy rows),
+several draws (a row running out of kept tokens), unseeded calls (rank 0's generator). One
+round (summaries, slot masses, one draw) costs three launches per rank; every call one launch
+per collective and no other device work; calls the kernels do not cover take the torch path."""
 
 from __future__ import annotations
 
@@ -58,13 +62,19 @@ CUTS = [
     {"top_k": 10, "top_p": 0.8, "min_p": 0.01},
     {"temperature": 1.3, "top_p": 0.9},
     "tensors",
+    # Several draws without replacement: one launch and one MAX per draw; row EXHAUSTED runs
+    # out of kept tokens (invalid, its last draws repeat), as on one process.
+    {"top_k": 10, "num_samples": 3},
+    {"temperature": 0.9, "min_p": 0.002, "num_samples": 4},
 ]
+EXHAUSTED = 25  # two finite logits
 
 
 def inputs(vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(BATCH, vocab, generator=gen) * 3
     logits[9:24] = (logits[9:24] * 2).round() / 2  # ties at every cut
+    logits[EXHAUSTED, 2:] = -math.inf
     logits[1, vocab // 3 :] = -math.inf  # a grammar mask
     logits[2, 5] = math.nan  # bad on one shard only
     logits[3] = -math.inf  # nothing to draw
@@ -107,6 +117,7 @@ BUDGET_CALLS = {
     "candidate top_k, top_p": {"top_k": 6, "top_p": 0.8},
     "radix top_p": {"top_p": 0.9},
     "tensor T, k, p, min_p": "tensors",
+    "three draws": {"num_samples": 3},
 }
 BUDGET_CALLS_COLLECTIVES = {
     "no cut": 3,
@@ -115,7 +126,12 @@ BUDGET_CALLS_COLLECTIVES = {
     "candidate top_k, top_p": 5,  # + SUM of the ties at cut_k
     "radix top_p": 6,  # + 3 radix rounds
     "tensor T, k, p, min_p": 9,  # + 3 + 3 radix rounds
+    "three draws": 5,  # + 2 MAX (one per draw)
 }
+
+
+UNSEEDED = {"T=0.8": {}, "T=0.8, top_k=10, 3 draws": {"top_k": 10, "num_samples": 3}}
+GENERATOR_SEED = 100
 
 
 def _worker(rank: int, port: int, outdir: str, tests_dir: str) -> None:
@@ -153,8 +169,23 @@ def _worker(rank: int, port: int, outdir: str, tests_dir: str) -> None:
             with record_traffic() as traffic:
                 total, _, launches = device_work(lambda e=extra: sample(**{**kwargs, **e}))
             results[("budget", name)] = (total, launches, traffic.count)
-        # Not covered by the kernels (several draws): the torch path, no launch.
-        results["fallback"] = device_work(lambda: sample(**kwargs, num_samples=2))[2]
+        # Unseeded: every rank draws from its generator, rank 0's draws are used; the same
+        # launches plus the generator's draw (one aten op).
+        unseeded = {k: v for k, v in kwargs.items() if k not in ("seed", "step")}
+        for name, extra in UNSEEDED.items():
+            for backend in ("triton", "torch"):
+                os.environ["FASTSAMPLE_BACKEND"] = backend
+                torch.manual_seed(GENERATOR_SEED + rank)  # rank 1's state differs
+                out = sample(**unseeded, **extra)
+                fields = (out.token_ids, out.probs, out.valid, out.logprobs)
+                results[(backend, "unseeded", name)] = tuple(t.clone() for t in fields)
+        os.environ["FASTSAMPLE_BACKEND"] = "triton"
+        with record_traffic() as traffic:
+            total, _, launches = device_work(lambda: sample(**unseeded))
+        results[("budget", "unseeded")] = (total, launches, traffic.count)
+        # Not covered by the kernels (tensor temperature, several draws): the torch path.
+        greedy = {**kwargs, "temperature": tensor_controls()["temperature"], "num_samples": 2}
+        results["fallback"] = device_work(lambda: sample(**greedy))[2]
     except Exception:
         results["error"] = traceback.format_exc()
     finally:
@@ -244,6 +275,9 @@ def test_equals_torch_path_and_one_process_sampling(ranks, key, case):
     if isinstance(controls.get("top_k"), torch.Tensor):
         bad_rows += OUT_OF_RANGE
         good[OUT_OF_RANGE] = False
+    if controls.get("num_samples", 1) > 2:
+        bad_rows.append(EXHAUSTED)
+        good[EXHAUSTED] = False
     assert not bool(valid[bad_rows].any()) and bool(valid[good].all())
 
 
@@ -256,4 +290,26 @@ def test_one_launch_per_collective(ranks):
             total, launches, collectives = rank[("budget", name)]
             assert collectives == expected, (name, collectives)
             assert launches == collectives and total == launches, (name, total, launches)
-        assert rank["fallback"] == 0  # several draws: the torch path
+        total, launches, collectives = rank[("budget", "unseeded")]
+        assert launches == collectives == 3 and total == 4  # + the generator's draw
+        assert rank["fallback"] == 0  # tensor temperature, several draws: the torch path
+
+
+@pytest.mark.parametrize("name", list(UNSEEDED))
+def test_unseeded_uses_rank_zero_generator(ranks, name):
+    """Unseeded calls: both ranks return the same result, the torch path's, and one process's
+    with rank 0's generator state (block-aligned shards)."""
+    first, second = ranks[0][("triton", "unseeded", name)], ranks[1][("triton", "unseeded", name)]
+    vocab = LAYOUTS["aligned"][0]
+    logits = inputs(vocab, torch.float32)[0]
+    with pytest.MonkeyPatch.context() as patch, torch.random.fork_rng():
+        patch.setenv("FASTSAMPLE_BACKEND", "torch")
+        torch.manual_seed(GENERATOR_SEED)
+        one = fs.sample(logits, temperature=0.8, **UNSEEDED[name])
+    one_process = (one.token_ids, one.probs, one.valid, one.logprobs)
+    references = [ranks[0][("torch", "unseeded", name)], one_process]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    for ids, probs, valid, _ in references:
+        assert torch.equal(first[0], ids) and torch.equal(first[2], valid)
+        torch.testing.assert_close(first[1], probs, rtol=1e-6, atol=0)

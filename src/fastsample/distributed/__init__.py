@@ -80,6 +80,9 @@ and, for :class:`~fastsample.SampleOutput`, :mod:`fastsample.sampling`):
   through which every collective is issued (and counted);
 * :mod:`.agree`: the argument checks and the ``check=True`` agreement protocol;
 * :mod:`.cuts`: the top-k, top-p and min-p thresholds across shards (candidates or radix);
+* :mod:`.triton_round`: the same data flow on the Triton backend (``FASTSAMPLE_BACKEND``),
+  one kernel launch per collective (:mod:`fastsample.kernels.shard`); what it covers and what
+  still takes the torch path is listed there;
 * :mod:`.sampling`: :func:`sample`, the data flow of one call.
 """
 

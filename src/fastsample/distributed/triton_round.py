@@ -4,9 +4,11 @@ before each of the call's collectives, none after the last (:mod:`fastsample.ker
 
 **Launch budget.** A *collective step* is the local work that produces one collective's
 payload from what the earlier collectives returned: here it is always exactly one launch.
-The *draw round* (the slot masses, the draw and the result) is the last three steps and costs
-three launches; a call costs one launch per collective in all, and nothing else (the outputs
-are views of the last collective's result; buffers are allocated, never filled by torch ops):
+*One round* is the summaries, the slot masses and one draw: three collective steps, three
+launches (the issue's "at most 3 per rank beyond its collectives"). A call costs one launch
+per collective in all and no other device work (the outputs are views of the draws'
+reduced records; buffers are allocated, never filled by torch ops); each cut step and each
+further draw adds one collective and so one launch:
 
 ================================  ==============================  ========================
 call                              collectives (per rank)          launches = collectives
@@ -16,6 +18,7 @@ Python ``top_k <= 1024``          + all-gather of candidates      4
 ... and a Python ``top_p``        + SUM of the ties at ``cut_k``  5
 other top-k (tensor, ``> 1024``)  + 3 SUM (7 for float64)         6 (10)
 other top-p                       + 3 SUM (7 for float64)         +3 (+7)
+``num_samples = n``               + (n - 1) MAX                   +(n - 1)
 ================================  ==============================  ========================
 
 The steps, in order, each a launch followed by its collective (the data flow is the torch
@@ -28,19 +31,30 @@ path's, :mod:`fastsample.distributed.sampling`, step for step):
    round's histogram), the ties at the candidate ``cut_k`` (SUM);
 3. ``APPLY`` (the weights too, when no cut needs a collective): the final cut, the kept
    weights and the slot masses -> all-reduce SUM ``(B, slots)``;
-4. ``draw_record`` -> all-reduce MAX ``(B, 4)`` int64: the owner's finished result (or, on
-   every rank, a greedy row's point mass or an invalid row's fallback), whose columns are the
-   outputs.
+4. ``draw_record`` of draw ``k`` -> all-reduce MAX ``(B, 4)`` int64 (5 words with several
+   draws: the drawn slot's mass without the drawn entry, for the next draw): the owner's
+   finished result (or, on every rank, a greedy row's point mass, an invalid row's fallback,
+   or a row out of kept tokens repeating its previous draw), whose columns are the outputs.
+   Draw ``k > 0`` first sets the previous draw's slot to its mass left and removes the earlier
+   draws' tokens from the scan, as the torch path does.
 
-Covered calls (:func:`covered`): seeded (``seed=``), one draw, not all greedy, the 256-entry
-slot grid (vocabularies up to ~262k entries), and ``world * top_k <= 4096`` for a candidate
-top-k (the merged candidates are sorted in registers); temperature, top-k, top-p and min-p as
-Python numbers or ``(B,)`` tensors. The others take the torch path (also the reference):
-``num_samples > 1``, unseeded calls, a Python ``temperature=0``, coarse slot grids.
+Covered calls (:func:`covered`): seeded or not, not all greedy, the 256-entry slot grid
+(vocabularies up to ~262k entries), ``world * top_k <= 4096`` for a candidate top-k (the
+merged candidates are sorted in registers), temperature, top-k, top-p and min-p as Python
+numbers or ``(B,)`` tensors, any ``num_samples`` (with a Python or no temperature; a tensor
+temperature draws once). Unseeded calls draw ``(B, n)`` uniforms from every rank's generator
+(one ``torch.rand``, the only device work besides the launches), sent in the summaries'
+last columns; every rank uses rank 0's, as the torch path does. The others take the torch
+path (also the reference): a tensor temperature with ``num_samples > 1`` (greedy rows need
+every shard's ``n`` largest entries), a Python ``temperature=0`` (nothing to draw: one
+all-gather), coarse slot grids (vocabularies past ~262k entries), ``world * top_k > 4096``.
 
 Equality with the torch path: the weights, the top-k cut (candidates or radix counts), the
 candidate top-p cut (the same float64 running sum), min-p and the kept weights are the same
-numbers; slot masses are float32 block sums and the scans float64 prefix sums, as there. The
+numbers; slot masses are float32 block sums and the scans float64 prefix sums, as there, in
+another summation order (a block sum may differ in its last bit, so probabilities agree to
+~1e-7 relative and a token can differ only when its uniform lies within that of a boundary:
+the tests see equal tokens and validity, probabilities within 1e-6). The
 radix top-p cut sums bucket masses in another order, so it can differ where ``top_p`` times
 the mass lies within float32 rounding of a cumulative mass (the exception the torch path
 already makes against one process, :mod:`fastsample.distributed`).
@@ -70,9 +84,8 @@ def covered(call: Call) -> bool:
     k = c.top_k
     small_k = isinstance(k, int) and k <= CANDIDATE_MAX_K
     return (
-        call.seeded
-        and isinstance(call.uniforms, CounterSource)
-        and call.num_samples == 1
+        (isinstance(call.uniforms, CounterSource) or not call.seeded)
+        and (call.num_samples == 1 or not isinstance(c.temperature, Tensor))
         and not c.all_greedy
         and layout.per_slot == BLOCK
         and not (small_k and layout.world * k > MAX_MERGED)
@@ -129,7 +142,10 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
     controls = (c.temperature, c.top_k, c.top_p, c.min_p)
     tensors = [v if isinstance(v, Tensor) else None for v in controls]
     greedy = tensors[0] is not None  # rows with T == 0 are greedy
-    table = comm.all_gather(shard.summaries_op(x, layout.start, is_logits, greedy, *tensors))
+    # Unseeded: every rank draws from its generator (as the torch path), rank 0's are used.
+    uniforms = None if call.seeded else call.uniforms.row_uniforms(call.num_samples)
+    summary = shard.summaries_op(x, layout.start, is_logits, greedy, *tensors, uniforms)
+    table = comm.all_gather(summary)
 
     numbers: list[float | None] = [None if v is None or t is not None else float(v)
                                    for v, t in zip(controls, tensors, strict=True)]  # fmt: skip
@@ -178,14 +194,21 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
             sums = comm.all_reduce(sums, "sum")
 
     source = call.uniforms
-    assert isinstance(source, CounterSource)
-    stream = source.stream
-    stream_rows = stream if isinstance(stream, torch.Tensor) else None
-    record = shard.draw_op(
-        weights, sums, table, is_logits, sizes, layout.start, layout.vocab, layout.draw_width,
-        source.seed, source.step, stream_rows, 0 if stream_rows is not None else int(stream),
-        tensors[0],
-    )  # fmt: skip
-    record = comm.all_reduce(record, "max")
-    ids, probs, valid, logprobs = shard.unpack(record, dtype == torch.float64)
+    seed = step = stream_rows = None
+    stream = 0
+    if isinstance(source, CounterSource):
+        seed, step, stream = source.seed, source.step, source.stream
+        stream_rows = stream if isinstance(stream, torch.Tensor) else None
+    n = call.num_samples
+    records = x.new_empty((n, batch, shard.RECORD + (n > 1)), dtype=torch.int64)
+    live = x.new_empty((batch, layout.slots if n > 1 else 0), dtype=torch.float64)
+    chosen = x.new_empty((batch if n > 1 else 0,), dtype=torch.int64)
+    for k in range(n):  # each draw: one launch, one MAX of its record
+        shard.draw_op(
+            weights, sums, table, is_logits, sizes, layout.start, layout.vocab,
+            layout.draw_width, seed, step, stream_rows,
+            0 if stream_rows is not None else int(stream), tensors[0], records, live, chosen, k,
+        )  # fmt: skip
+        comm.all_reduce(records[k], "max")
+    ids, probs, valid, logprobs = shard.unpack(records, dtype == torch.float64)
     return SampleOutput(ids, probs, valid, logprobs)

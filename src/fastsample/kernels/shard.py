@@ -63,12 +63,12 @@ def _rows(batch: int, elements: int) -> int:
 
 @triton.jit
 def _summary_kernel(
-    x_ptr, x_sb, x_sv, batch, local, start_id, out_ptr,
+    x_ptr, x_sb, x_sv, batch, local, start_id, out_ptr, u_ptr,
     t_ptr, t_sb, k_ptr, k_sb, p_ptr, p_sb, m_ptr, m_sb,
     IS_LOGITS: tl.constexpr, GREEDY: tl.constexpr, T_SRC: tl.constexpr, K_SRC: tl.constexpr,
-    P_SRC: tl.constexpr, M_SRC: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+    P_SRC: tl.constexpr, M_SRC: tl.constexpr, UNIFORMS: tl.constexpr, COLS: tl.constexpr,
+    ROWS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    COLS: tl.constexpr = 3 if GREEDY else 2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < batch
     rows = tl.where(live, rows, 0).to(tl.int64)
@@ -109,18 +109,22 @@ def _summary_kernel(
     tl.store(out_ptr + rows * COLS + 1, bad_row.to(tl.float64), mask=live)
     if GREEDY:
         tl.store(out_ptr + rows * COLS + 2, (best_id + start_id).to(tl.float64), mask=live)
+    for j in tl.static_range(UNIFORMS):  # this rank's generator draws (rank 0's are used)
+        u = tl.load(u_ptr + rows * UNIFORMS + j, mask=live, other=0.0)
+        tl.store(out_ptr + rows * COLS + (COLS - UNIFORMS + j), u, mask=live)
 
 
 @triton.jit
 def _draw_kernel(
-    w_ptr, sums_ptr, table_ptr, record_ptr,
+    w_ptr, sums_ptr, table_ptr, records_ptr, live_ptr, chosen_ptr,
     seed_ptr, seed_sb, step_ptr, step_sb, stream_ptr, stream_sb, stream_value, t_ptr, t_sb,
     batch, world, width, head, first, owned, grid, rank, slots, start_id, vocab, draw_width,
     IS_LOGITS: tl.constexpr, HAS_STEP: tl.constexpr, STREAM_ROWS: tl.constexpr,
-    GREEDY: tl.constexpr, F64: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-    SLOTS_PAD: tl.constexpr,
+    GREEDY: tl.constexpr, F64: tl.constexpr, K: tl.constexpr, MORE: tl.constexpr,
+    WORDS: tl.constexpr, COLS: tl.constexpr, UNSEEDED: tl.constexpr, N: tl.constexpr,
+    ROWS: tl.constexpr,
+    TILE: tl.constexpr, SLOTS_PAD: tl.constexpr,
 ):  # fmt: skip
-    COLS: tl.constexpr = 3 if GREEDY else 2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < batch
     rows = tl.where(live, rows, 0).to(tl.int64)
@@ -133,20 +137,33 @@ def _draw_kernel(
         tl.where(every >= grid, sums, 0.0), 1
     )
     valid = finite & (total > 0) & (total < float("inf"))
+    if K > 0:
+        # Draw K > 0: the masses left by the earlier draws, with the previous draw's slot set
+        # to its mass without the drawn entry (the previous record's last word).
+        previous = records_ptr + ((K - 1) * batch + rows) * WORDS
+        sums = tl.load(live_ptr + rows[:, None] * slots + every, mask=in_slots, other=0.0)
+        left = tl.load(previous + 4, mask=live, other=0).to(tl.float64, bitcast=True)
+        chosen = tl.load(chosen_ptr + rows, mask=live, other=0)
+        sums = tl.where(every == chosen[:, None], left[:, None], sums)
+        previous_token = tl.load(previous, mask=live, other=0)
+        previous_ok = tl.load(previous + 3, mask=live, other=0) > 0
     prefix = tl.cumsum(sums, 1)
     remaining = tl.sum(tl.where(every == slots - 1, prefix, 0.0), 1)
-    seed = tl.load(seed_ptr + rows * seed_sb, mask=live, other=0)
-    if HAS_STEP:
-        step = tl.load(step_ptr + rows * step_sb, mask=live, other=0)
+    if UNSEEDED:  # rank 0's generator draw K, from the gathered table (its last N columns)
+        u = tl.load(table_ptr + rows * COLS + (COLS - N + K), mask=live, other=0.0)
     else:
-        step = tl.zeros_like(seed)
-    if STREAM_ROWS:
-        stream = tl.load(stream_ptr + rows * stream_sb, mask=live, other=0)
-    else:
-        stream = tl.zeros_like(seed) + stream_value
-    k0, k1 = row_key(seed)
-    c1, c2, c3 = counter_words(step, stream, DRAW)
-    u = uniform_at(tl.zeros_like(seed), c1, c2, c3, k0, k1)
+        seed = tl.load(seed_ptr + rows * seed_sb, mask=live, other=0)
+        if HAS_STEP:
+            step = tl.load(step_ptr + rows * step_sb, mask=live, other=0)
+        else:
+            step = tl.zeros_like(seed)
+        if STREAM_ROWS:
+            stream = tl.load(stream_ptr + rows * stream_sb, mask=live, other=0)
+        else:
+            stream = tl.zeros_like(seed) + stream_value
+        k0, k1 = row_key(seed)
+        c1, c2, c3 = counter_words(step, stream, DRAW)
+        u = uniform_at(tl.zeros_like(seed) + K, c1, c2, c3, k0, k1)
     target = tl.minimum(u * remaining, toward_zero(remaining))
     slot = tl.sum(((prefix <= target[:, None]) & in_slots).to(tl.int64), 1)
     slot = tl.minimum(slot, slots - 1)
@@ -168,6 +185,10 @@ def _draw_kernel(
     scanned = live[:, None] & (offsets < count[:, None]) & (offsets < draw_width)
     values = tl.load(w_ptr + rows[:, None] * width + columns, mask=scanned, other=0.0)
     values = values.to(tl.float64)
+    ids = start_id + begin[:, None] + offsets
+    for j in tl.static_range(K):  # earlier draws are removed
+        taken = tl.load(records_ptr + (j * batch + rows) * WORDS, mask=live, other=-1)
+        values = tl.where(ids == taken[:, None], 0.0, values)
     within = tl.cumsum(values, 1)
     slot_total = tl.sum(tl.where(offsets == draw_width - 1, within, 0.0), 1)
     inner_target = tl.minimum(fraction * slot_total, toward_zero(slot_total))
@@ -194,6 +215,11 @@ def _draw_kernel(
     # Invalid rows: the same fallback on every rank (probability 0, log-probability -inf);
     # valid rows: the owner's values, INT64_MIN elsewhere.
     mine = valid & owner
+    ok = valid & (remaining > 0)
+    if K > 0:  # a row out of kept tokens repeats its previous draw, on every rank
+        token = tl.where(remaining > 0, token, previous_token)
+        mine = mine | (valid & (remaining <= 0))
+        ok = ok & previous_ok
     if GREEDY:  # T == 0 rows: the first global maximal index, a point mass, on every rank
         greedy = (tl.load(t_ptr + rows * t_sb, mask=live, other=1.0) == 0) & valid
         greedy_id = tl.full(rows.shape, vocab, tl.int64)
@@ -207,14 +233,21 @@ def _draw_kernel(
         prob_bits = tl.where(greedy, one_bits, prob_bits)
         logprob_bits = tl.where(greedy, 0, logprob_bits)
         mine = mine | greedy
+    record = records_ptr + (K * batch + rows) * WORDS
     words = (
-        tl.where(valid, tl.where(mine, token, INT64_MIN), 0),
+        tl.where(valid, tl.where(mine, token, INT64_MIN), K),
         tl.where(valid, tl.where(mine, prob_bits, INT64_MIN), prob_bits),
         tl.where(valid, tl.where(mine, logprob_bits, INT64_MIN), logprob_bits),
-        tl.where(valid, tl.where(mine, 1, INT64_MIN), 0),
+        tl.where(valid, tl.where(mine, ok.to(tl.int64), INT64_MIN), 0),
     )
     for i in tl.static_range(4):
-        tl.store(record_ptr + rows * 4 + i, words[i], mask=live)
+        tl.store(record + i, words[i], mask=live)
+    if MORE:  # what the next draw needs: the slot's mass left (shared), the slot, the masses
+        left = tl.sum(tl.where(picked, 0.0, values), 1)
+        left_bits = tl.where(ok, left, 0.0).to(tl.int64, bitcast=True)
+        tl.store(record + 4, tl.where(ok & ~mine, INT64_MIN, left_bits), mask=live)
+        tl.store(chosen_ptr + rows, slot, mask=live)
+        tl.store(live_ptr + rows[:, None] * slots + every, sums, mask=in_slots)
 
 
 def summaries(
@@ -223,13 +256,17 @@ def summaries(
     is_logits: bool,
     greedy: bool,
     controls: tuple[Tensor | float | None, ...],
+    uniforms: Tensor | None = None,
 ) -> Tensor:
     """Launch 1: ``(B, 2)`` float64 ``[max or -inf, bad]`` of this shard (to all-gather), with
     a third column, the shard's first maximal global index, when a row may be ``greedy``
     (tensor temperature). ``controls`` ``(T, k, p, min_p)``: out-of-range tensor values make
-    the row bad."""
+    the row bad. ``uniforms``: ``(B, n)`` float64 draws of this rank's generator (unseeded
+    calls), appended as the last ``n`` columns (every rank draws; rank 0's are used)."""
     batch, local = x.shape
-    out = torch.empty((batch, 3 if greedy else 2), dtype=torch.float64, device=x.device)
+    count = 0 if uniforms is None else uniforms.shape[1]
+    cols = (3 if greedy else 2) + count
+    out = torch.empty((batch, cols), dtype=torch.float64, device=x.device)
     if batch:
         tile = min(1024, max(16, triton.next_power_of_2(local)))
         rows = _rows(batch, tile)
@@ -237,9 +274,10 @@ def summaries(
         launch.count_launch()
         launch.launcher(_summary_kernel, INTERPRETED)[launch.grid(batch, rows)](
             x, x.stride(0), x.stride(1), batch, local, start, out,
+            x if uniforms is None else uniforms.contiguous(),
             t[0], t[1], k[0], k[1], p[0], p[1], m[0], m[1],
             IS_LOGITS=is_logits, GREEDY=greedy, T_SRC=t[3], K_SRC=k[3], P_SRC=p[3],
-            M_SRC=m[3], ROWS=rows, TILE=tile,
+            M_SRC=m[3], UNIFORMS=count, COLS=cols, ROWS=rows, TILE=tile,
         )  # fmt: skip
     return out
 
@@ -253,43 +291,70 @@ def draw_record(
     start: int,
     vocab: int,
     draw_width: int,
-    seed: Tensor,
+    seed: Tensor | None,
     step: Tensor | None,
     stream: Tensor | int,
     temperature: Tensor | None,
-) -> Tensor:
-    """Last launch: the ``(B, 4)`` int64 result record of this rank (to all-reduce with MAX).
-    ``temperature``: the tensor temperature when rows may be greedy (the table then has the
-    greedy column)."""
+    records: Tensor,
+    live: Tensor,
+    chosen: Tensor,
+    k: int,
+) -> None:
+    """The launch of draw ``k``: this rank's ``(B, words)`` int64 record of the draw, written
+    to ``records[k]`` (to all-reduce with MAX; ``records`` is ``(n, B, words)``, 4 words for
+    one draw, 5 for several: the last carries the drawn slot's mass left for the next draw).
+    Draw ``k > 0`` reads the reduced ``records[:k]``, and ``live`` (``(B, slots)`` float64
+    masses) and ``chosen`` (``(B,)`` int64 slot) left by draw ``k - 1``. ``temperature``: the
+    tensor temperature when rows may be greedy (one draw; the table has the greedy column)."""
     batch = weights.shape[0]
     _, width, head, first, owned, grid, rank, slots = layout
-    record = torch.empty((batch, RECORD), dtype=torch.int64, device=weights.device)
+    n, words = records.shape[0], records.shape[2]
     greedy = temperature is not None
-    if greedy != (table.shape[2] == 3):
-        raise ValueError("a tensor temperature needs the summaries' greedy column")
+    columns = 2 + greedy + (n if seed is None else 0)
+    if table.shape[2] != columns or (greedy and n > 1):
+        raise ValueError(
+            "the summaries need a greedy column for a tensor temperature (one draw) and the "
+            "generator's draws for an unseeded call"
+        )
+    if not 0 <= k < n or words != (RECORD if n == 1 else RECORD + 1):
+        raise ValueError(f"draw {k} of {n} needs records of {RECORD if n == 1 else 5} words")
     if batch:
         slots_pad = triton.next_power_of_2(slots)
         rows = _rows(batch, max(BLOCK, slots_pad))
         stream_rows = isinstance(stream, Tensor)
         launch.count_launch()
         launch.launcher(_draw_kernel, INTERPRETED)[launch.grid(batch, rows)](
-            weights, sums, table, record,
-            seed, seed.stride(0), seed if step is None else step,
-            0 if step is None else step.stride(0),
-            stream if stream_rows else seed, stream.stride(0) if stream_rows else 0,
+            weights, sums, table, records, live, chosen,
+            table if seed is None else seed, 0 if seed is None else seed.stride(0),
+            table if step is None else step, 0 if step is None else step.stride(0),
+            stream if stream_rows else table, stream.stride(0) if stream_rows else 0,
             0 if stream_rows else stream,
-            seed if temperature is None else temperature,
+            table if temperature is None else temperature,
             0 if temperature is None else temperature.stride(0),
             batch, table.shape[0], width, head, first, owned, grid, rank, slots, start, vocab,
             draw_width,
             IS_LOGITS=is_logits, HAS_STEP=step is not None, STREAM_ROWS=stream_rows,
-            GREEDY=greedy, F64=weights.dtype == torch.float64, ROWS=rows, TILE=BLOCK,
-            SLOTS_PAD=slots_pad,
+            GREEDY=greedy, F64=weights.dtype == torch.float64, K=k, MORE=k + 1 < n,
+            WORDS=words, COLS=table.shape[2], UNSEEDED=seed is None, N=n, ROWS=rows,
+            TILE=BLOCK, SLOTS_PAD=slots_pad,
         )  # fmt: skip
-    return record
 
 
-def unpack(record: Tensor, f64: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def unpack(records: Tensor, f64: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Views of the MAX-reduced ``(n, B, words)`` records: ``(token_ids (B, n), probs (B, n),
+    valid (B,), logprobs (B, n))``; float32 outputs are the low halves (little-endian) of
+    their words; validity is the last draw's (every draw's ``ok`` and-ed in)."""
+    if records.shape[0] == 1:
+        return unpack_one(records[0], f64)
+    ids = records[:, :, 0].t()
+    floats = records.view(torch.float64 if f64 else torch.float32)
+    probs = floats[:, :, 1 if f64 else 2].t()
+    logprobs = floats[:, :, 2 if f64 else 4].t()
+    valid = records[-1].view(torch.bool)[:, 24]
+    return ids, probs, valid, logprobs
+
+
+def unpack_one(record: Tensor, f64: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Views of a MAX-reduced record: ``(token_ids (B, 1), probs (B, 1), valid (B,),
     logprobs (B, 1))``; float32 outputs are the low halves (little-endian) of their words."""
     ids = record[:, 0:1]
@@ -326,12 +391,15 @@ def _summaries_op(
     top_k: Tensor | None,
     top_p: Tensor | None,
     min_p: Tensor | None,
+    uniforms: Tensor | None,
 ) -> Tensor:
-    return summaries(x, start, is_logits, greedy, (temperature, top_k, top_p, min_p))
+    controls = (temperature, top_k, top_p, min_p)
+    return summaries(x, start, is_logits, greedy, controls, uniforms)
 
 
-def _summaries_fake(x, start, is_logits, greedy, temperature, top_k, top_p, min_p):
-    return x.new_empty((x.shape[0], 3 if greedy else 2), dtype=torch.float64)
+def _summaries_fake(x, start, is_logits, greedy, temperature, top_k, top_p, min_p, uniforms):
+    count = 0 if uniforms is None else uniforms.shape[1]
+    return x.new_empty((x.shape[0], (3 if greedy else 2) + count), dtype=torch.float64)
 
 
 def _step_op(
@@ -378,22 +446,25 @@ def _draw_op(
     start: int,
     vocab: int,
     draw_width: int,
-    seed: Tensor,
+    seed: Tensor | None,
     step: Tensor | None,
     stream_rows: Tensor | None,
     stream: int,
     temperature: Tensor | None,
-) -> Tensor:
-    chosen = stream_rows if stream_rows is not None else stream
-    return draw_record(
+    records: Tensor,
+    live: Tensor,
+    chosen: Tensor,
+    k: int,
+) -> None:
+    streams = stream_rows if stream_rows is not None else stream
+    draw_record(
         weights, sums, table, is_logits, tuple(layout), start, vocab, draw_width, seed, step,
-        chosen, temperature,
+        streams, temperature, records, live, chosen, k,
     )  # fmt: skip
 
 
-def _draw_fake(weights, sums, table, is_logits, layout, start, vocab, draw_width, seed, step,
-               stream_rows, stream, temperature):  # fmt: skip
-    return weights.new_empty((weights.shape[0], RECORD), dtype=torch.int64)
+def _draw_fake(*args) -> None:
+    return None
 
 
 summaries_op = _register("shard_summaries", _summaries_op, _summaries_fake)
@@ -403,4 +474,4 @@ step_op = _register(
     _step_fake,
     ("weights", "sums", "candidates", "hists_k", "hists_p", "ties"),
 )
-draw_op = _register("shard_draw", _draw_op, _draw_fake)
+draw_op = _register("shard_draw", _draw_op, _draw_fake, ("records", "live", "chosen"))

@@ -7,8 +7,8 @@ round of ``distributed.sample`` on a one-rank gloo group when ``torch.distribute
 available (its collectives are ``c10d`` ops, not aten ops, so they are not counted: the
 budget is per rank *beyond* the collectives). The Triton backend covers seeded single draws
 with every control (:mod:`fastsample.distributed.triton_round`): one launch per collective,
-3 for the draw round, one more per cut step (candidates, ties, each radix round); several
-draws and unseeded calls still take the torch path.
+3 for the draw round, one more per cut step (candidates, ties, each radix round) and per
+further draw; a tensor temperature with several draws still takes the torch path.
 """
 
 from __future__ import annotations
