@@ -78,3 +78,35 @@ def test_repeated_siblings_flag_their_row_in_mode_b(tensor_parents):
     # Mode a tests repeated tokens exactly (a rejected token has no mass left): valid.
     assert fs.verify_tree(target, tree, seed=seeds).valid.all()
     fs.verify_tree(target, tree, seed=1, check=True)
+
+
+def chain_and_tree():
+    """``(run, rank hint, draft shape)`` for verify_chain on (B=2, K=2, V=5) and verify_tree
+    on (B=2, N=3, V=5); ``run`` takes draft_probs."""
+    p, x = torch.full((2, 3, 5), 0.2), torch.zeros(2, 2, dtype=torch.int64)
+    tree = fs.TokenTree(torch.zeros(2, 3, dtype=torch.int64), [-1, 0, 1])
+    return [
+        (lambda q: fs.verify_chain(p, x, q, seed=1), "(batch, K, vocab)", (2, 2, 5)),
+        (lambda q: fs.verify_tree(p, tree, q, seed=1), "(batch, nodes, vocab)", (2, 3, 5)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "draft,error,words",
+    [
+        (lambda s: torch.full((2, s[1] - 1, 5), 0.2), ValueError, "= {s} to match target_probs"),
+        (lambda s: torch.full((2, 5), 0.2), ValueError, "shape {hint}, got 2 dimensions (2, 5)"),
+        (lambda s: torch.ones(s, dtype=torch.int64), TypeError, "must be float16, bfloat16"),
+        (lambda s: [[0.2] * 5], TypeError, "must be a torch.Tensor of shape {hint}"),
+        (lambda s: torch.full(s, 0.2, device="meta"), ValueError, "is on meta but target_probs"),
+    ],
+    ids=["positions", "rank", "dtype", "type", "device"],
+)
+def test_draft_probs_errors_name_the_argument_in_both_verifiers(draft, error, words):
+    """One check (verify.checks.check_draft_probs) serves both verifiers: the same messages,
+    naming the argument, with each verifier's shape."""
+    for run, hint, shape in chain_and_tree():
+        with pytest.raises(error) as info:
+            run(draft(shape))
+        assert str(info.value).startswith("draft_probs ")
+        assert words.format(hint=hint, s=shape) in str(info.value)

@@ -19,9 +19,9 @@ from .acceptance import accept_drafts
 from .checks import (
     VALUE_REASONS,
     check_counts,
+    check_draft_probs,
     check_ids,
     check_probs,
-    check_same_device,
     raise_bad_values,
     value_flags,
 )
@@ -117,21 +117,13 @@ def verify_chain(
         (torch.Size([2, 4]), True)
     """
     p = check_probs(target_probs, "target_probs", "(batch, K+1, vocab)")
-    batch, positions, vocab = p.shape
+    batch, positions = p.shape[:2]
     if positions < 1:
         raise ValueError("target_probs must have K+1 >= 1 positions (the bonus position)")
     k = positions - 1
     device = p.device
     x = check_ids(draft_token_ids, "draft_token_ids", (batch, k), device)
-    q = None
-    if draft_probs is not None:
-        q = check_probs(draft_probs, "draft_probs", "(batch, K, vocab)")
-        if tuple(q.shape) != (batch, k, vocab):
-            raise ValueError(
-                f"draft_probs must have shape (batch, K, vocab) = {(batch, k, vocab)} to match "
-                f"target_probs {tuple(p.shape)}, got {tuple(q.shape)}"
-            )
-        check_same_device(q, "draft_probs", device)
+    q = check_draft_probs(draft_probs, p, k, "(batch, K, vocab)")
     lengths = check_counts(draft_lengths, "draft_lengths", batch, 0, k, device)
     source = random_source(generator, seed, step, batch, device)
     if v.check_flag(check, "check"):

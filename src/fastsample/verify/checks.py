@@ -34,6 +34,24 @@ def check_probs(probs: object, name: str, rank_hint: str) -> Tensor:
     return probs
 
 
+def check_draft_probs(
+    draft_probs: object, target: Tensor, positions: int, rank_hint: str
+) -> Tensor | None:
+    """None, or ``draft_probs`` checked as :func:`check_probs` does and against the target:
+    shape ``(B, positions, V)`` for a ``(B, ., V)`` ``target``, on the target's device."""
+    if draft_probs is None:
+        return None
+    q = check_probs(draft_probs, "draft_probs", rank_hint)
+    want = (target.shape[0], positions, target.shape[2])
+    if tuple(q.shape) != want:
+        raise ValueError(
+            f"draft_probs must have shape {rank_hint} = {want} to match target_probs "
+            f"{tuple(target.shape)}, got {tuple(q.shape)}"
+        )
+    check_same_device(q, "draft_probs", target.device)
+    return q
+
+
 def check_ids(ids: object, name: str, shape: tuple[int, int], device: torch.device) -> Tensor:
     if not isinstance(ids, Tensor):
         raise TypeError(f"{name} must be an int64 tensor of shape {shape}, got {type(ids)}")

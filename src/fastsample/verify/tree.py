@@ -24,6 +24,7 @@ from .checks import (
     INT_DTYPES,
     VALUE_REASONS,
     check_counts,
+    check_draft_probs,
     check_ids,
     check_probs,
     check_same_device,
@@ -280,7 +281,7 @@ def verify_tree(
         (torch.Size([2, 4]), True)
     """
     p = check_probs(target_probs, "target_probs", "(batch, nodes, vocab)")
-    batch, n, vocab = p.shape
+    batch, n = p.shape[:2]
     device = p.device
     if not isinstance(tree, TokenTree):
         raise TypeError(f"tree must be a fastsample.TokenTree, got {type(tree).__name__}")
@@ -306,15 +307,7 @@ def verify_tree(
             f"tree.parents must be a list of ints or an int64 tensor, got {type(parents)}"
         )
     sizes = check_counts(tree.num_nodes, "tree.num_nodes", batch, 1, n, device)
-    q = None
-    if draft_probs is not None:
-        q = check_probs(draft_probs, "draft_probs", "(batch, nodes, vocab)")
-        if tuple(q.shape) != (batch, n, vocab):
-            raise ValueError(
-                f"draft_probs must have shape {(batch, n, vocab)} to match target_probs, got "
-                f"{tuple(q.shape)}"
-            )
-        check_same_device(q, "draft_probs", device)
+    q = check_draft_probs(draft_probs, p, n, "(batch, nodes, vocab)")
     source = random_source(generator, seed, step, batch, device)
     if v.check_flag(check, "check"):
         _check_tree_values(p, q, tokens, parents, sizes)
