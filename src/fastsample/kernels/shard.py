@@ -225,9 +225,9 @@ def _draw_kernel(
         greedy_id = tl.full(rows.shape, vocab, tl.int64)
         for r in range(0, world):
             at = table_ptr + (r * batch + rows) * COLS
-            here = tl.load(at, mask=live, other=0.0) == top
+            maximal = tl.load(at, mask=live, other=0.0) == top
             candidate = tl.load(at + 2, mask=live, other=0.0).to(tl.int64)
-            greedy_id = tl.minimum(greedy_id, tl.where(here, candidate, vocab))
+            greedy_id = tl.minimum(greedy_id, tl.where(maximal, candidate, vocab))
         token = tl.where(greedy, tl.minimum(tl.maximum(greedy_id, 0), vocab - 1), token)
         one_bits = tl.full(rows.shape, ONE_BITS_F64 if F64 else ONE_BITS_F32, tl.int64)
         prob_bits = tl.where(greedy, one_bits, prob_bits)

@@ -68,6 +68,7 @@ _CAND, _RADIX = tl.constexpr(CAND), tl.constexpr(RADIX)
 _PLAIN, _MIN_NUMBER = tl.constexpr(PLAIN), tl.constexpr(MIN_NUMBER)
 _APPLY, _TOP, _HIST_K = tl.constexpr(APPLY), tl.constexpr(TOP), tl.constexpr(HIST_K)
 _TIES, _HIST_P = tl.constexpr(TIES), tl.constexpr(HIST_P)
+_RANK_SORT = tl.constexpr(INTERPRETED)  # see _merged
 
 
 def round_layout(dtype: torch.dtype, r: int) -> tuple[int, int, int]:
@@ -331,8 +332,8 @@ def _step_kernel(
     if STEP == _APPLY:  # every slot starts at 0; this rank's own slots are written below
         every = tl.arange(0, SLOTS_PAD)[None, :]
         zero = tl.zeros((ROWS, SLOTS_PAD), FLOAT)
-        at = sums_ptr + rows[:, None] * slots + every
-        tl.store(at, zero, mask=live[:, None] & (every < slots))
+        tl.store(sums_ptr + rows[:, None] * slots + every, zero,
+                 mask=live[:, None] & (every < slots))  # fmt: skip
         tl.debug_barrier()
     if WEIGHTS:
         top, finite = global_top(table_ptr, rows, live, batch, world, COLS, IS_LOGITS)
@@ -379,7 +380,7 @@ def _step_kernel(
     if K_MODE == _CAND:  # noqa: SIM102 (constexpr branches)
         if STEP != _TOP:
             merged, cut_k = _merged(merged_ptr, rows, live, batch, world, k_static, KPAD,
-                                    INTERPRETED)
+                                    _RANK_SORT)
     if K_MODE == _RADIX:
         k = control(k_ptr, k_sb, k_bits, rows, live, K_SRC)
         if STEP == _HIST_K:
