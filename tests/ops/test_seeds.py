@@ -7,6 +7,8 @@ quality and independence, and the samplers' guarantees.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -15,10 +17,23 @@ from test_philox import ref_philox4x32
 
 import fastsample as fs
 from fastsample.ops.seeds import CounterSource, Purpose, Stream, advance_step
-from stattests import assert_law, law_rejected, parity_biased, plackett_luce
-from test_exactness import CASES, JOINT_ROW, case_row, single_draw_counts
+from stattests import LawCase, assert_law, law_rejected, parity_biased
+from test_exactness import (
+    CASES,
+    JOINT_CLAIM,
+    JOINT_DRAWS,
+    JOINT_ROW,
+    case_row,
+    joint_counts,
+    joint_law,
+    mid_mass_thinned,
+    serial,
+    shifted_tuples,
+    single_draw_counts,
+)
 
 METHODS = ["inverse_cdf", "race"]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MASK64 = (1 << 64) - 1
 
 
@@ -64,19 +79,42 @@ def test_entry_uniforms_are_keyed_by_global_index():
 # --- statistical quality ------------------------------------------------------------------
 
 
+# Sizes of the uniformity and independence tests: each judges 2**22 values (or pairs) on 256
+# cells, above stattests.draws_needed(uniform law on 256 cells, 0.02) = 4,123,000.
+CELLS = 256
+UNIFORM_CLAIM = 0.02
+SAMPLES = 2**22
+ROW_WIDTH, ENTRY_WIDTH = 4, 16  # uniforms per request: SAMPLES // width requests
+
+
+def requests(width: int) -> torch.Tensor:
+    """Seeds of the SAMPLES // width requests that give SAMPLES uniforms of ``width`` each."""
+    return torch.arange(SAMPLES // width) * 1000
+
+
 def bit_field_counts(u: torch.Tensor, shift: int, bits: int = 8) -> np.ndarray:
     ints = (u * 2.0**53).to(torch.int64)
     field = (ints >> shift) & ((1 << bits) - 1)
     return torch.bincount(field.flatten(), minlength=1 << bits).numpy()
 
 
+@functools.cache
+def bit_field_uniforms() -> dict[str, torch.Tensor]:
+    """SAMPLES row and SAMPLES entry uniforms, made once for every shift."""
+    rows, entries = requests(ROW_WIDTH), requests(ENTRY_WIDTH)
+    with serial():  # chains of 4M-element ops: one thread (see test_exactness.serial)
+        return {
+            "row": source(rows, rows * 3 + 1).row_uniforms(ROW_WIDTH),
+            "entry": source(entries, entries * 3 + 1).entry_uniforms(1000, ENTRY_WIDTH),
+        }
+
+
 @pytest.mark.parametrize("shift", [0, 11, 21, 32, 45])
 def test_bit_fields_are_uniform(shift):
-    seeds = torch.arange(2048)
-    src = source(seeds, seeds * 3 + 1)
-    for u in (src.row_uniforms(8), src.entry_uniforms(1000, 64)):
+    for name, u in bit_field_uniforms().items():
         counts = bit_field_counts(u, shift)
-        assert_law(counts, np.ones(256), what=f"bits {shift}..{shift + 7}")
+        assert counts.sum() == SAMPLES
+        assert_law(counts, np.ones(CELLS), what=f"{name} bits {shift}..{shift + 7}")
 
 
 def pair_counts(a: torch.Tensor, b: torch.Tensor, cells: int = 16) -> np.ndarray:
@@ -93,34 +131,51 @@ NEIGHBOURS = {
 }
 
 
+def assert_uniform_pairs(counts: np.ndarray, what: str) -> None:
+    """The pair law test, with its negative control at its size from the same pairs: thinned
+    to the law with the mid-mass cells 1.5x the claim more likely, they fail."""
+    assert counts.sum() == SAMPLES
+    uniform = np.ones(CELLS)
+    assert_law(counts, uniform, what=what)
+    assert law_rejected(mid_mass_thinned(counts, uniform, 1.5 * UNIFORM_CLAIM, 0), uniform)
+
+
 @pytest.mark.parametrize("what", list(NEIGHBOURS))
 def test_neighbours_are_independent(what):
     """Joint law of (u, u') for neighbouring steps, seeds, streams: uniform on a 16x16 grid."""
-    seeds = torch.arange(40_000) * 1000
-    first, second = NEIGHBOURS[what](seeds)
-    counts = pair_counts(first.row_uniforms(4), second.row_uniforms(4))
-    assert_law(counts, np.ones(256), what=what)
-    counts = pair_counts(first.entry_uniforms(0, 16), second.entry_uniforms(0, 16))
-    assert_law(counts, np.ones(256), what=what)
+    with serial():  # chains of 4M-element ops: one thread (see test_exactness.serial)
+        first, second = NEIGHBOURS[what](requests(ROW_WIDTH))
+        row_pairs = pair_counts(first.row_uniforms(ROW_WIDTH), second.row_uniforms(ROW_WIDTH))
+        first, second = NEIGHBOURS[what](requests(ENTRY_WIDTH))
+        entry_pairs = pair_counts(
+            first.entry_uniforms(0, ENTRY_WIDTH), second.entry_uniforms(0, ENTRY_WIDTH)
+        )
+    assert_uniform_pairs(row_pairs, f"{what}, row uniforms")
+    assert_uniform_pairs(entry_pairs, f"{what}, entry uniforms")
 
 
 def test_independence_test_rejects_correlated_streams():
-    """Negative control: a stream that shares 2% of its draws with its neighbour is caught."""
-    seeds = torch.arange(40_000) * 1000
-    a = source(seeds, 5).row_uniforms(4)
-    b = source(seeds, 6).row_uniforms(4)
-    leak = torch.rand(b.shape, generator=torch.Generator().manual_seed(0)) < 0.02
+    """Negative control at the size of the independence test: a stream that shares 0.25% of
+    its draws with its neighbour is caught. The shared pairs land on the diagonal (1/16 of
+    the cells) and raise it by 15 x 0.25% = 3.75%: about 1.5x the 2% claim on 10% of the
+    mass, in the test's power (non-centrality n * 15 * f**2 vs n * 0.02**2 * 0.1 / 0.9)."""
+    seeds = requests(ROW_WIDTH)
+    with serial():
+        a = source(seeds, 5).row_uniforms(ROW_WIDTH)
+        b = source(seeds, 6).row_uniforms(ROW_WIDTH)
+    leak = torch.rand(b.shape, generator=torch.Generator().manual_seed(0)) < 0.0025
     b = torch.where(leak, a, b)
-    assert law_rejected(pair_counts(a, b), np.ones(256))
+    assert law_rejected(pair_counts(a, b), np.ones(CELLS))
 
 
 def test_purposes_do_not_share_noise():
-    """Row and entry uniforms of the same request are independent: not one of 160,000 pairs
+    """Row and entry uniforms of the same request are independent: not one of 2**22 pairs
     is equal (53-bit values), and their joint law is uniform on a 16x16 grid."""
-    src = source(torch.arange(40_000) * 1000, 5)
-    rows, entries = src.row_uniforms(4), src.entry_uniforms(0, 4)
+    src = source(requests(ROW_WIDTH), 5)
+    with serial():
+        rows, entries = src.row_uniforms(ROW_WIDTH), src.entry_uniforms(0, ROW_WIDTH)
     assert int((rows == entries).sum()) == 0
-    assert_law(pair_counts(rows, entries), np.ones(256), what="row vs entry uniforms")
+    assert_uniform_pairs(pair_counts(rows, entries), "row vs entry uniforms")
 
 
 def test_entry_uniforms_match_the_mapping_at_every_scale_of_position():
@@ -300,17 +355,20 @@ def test_cuda_graph_advances_step_inside_the_graph(method):
 # on CPU: slow for these many-row batches; the widening is tested bitwise in this file). The
 # race draws one Philox uniform per entry (~0.2 us each on CPU): the CPU runs it at V=2;
 # CUDA at V=32k too.
-SEEDED = [
+SEEDED_CASES = [
     ("inverse_cdf", CASES[0], 640_000),
     ("race", CASES[0], 640_000),
     ("inverse_cdf", CASES[5], 104_000),
-    pytest.param(
-        "race",
-        CASES[5],
-        104_000,
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    ),
+    ("race", CASES[5], 104_000),
 ]
+SEEDED = [
+    pytest.param(*case, marks=CUDA) if case[0] == "race" and case[1][1] > 2 else case
+    for case in SEEDED_CASES
+]
+
+
+def seeded_claim(vocab: int) -> float:
+    return 0.02 if vocab <= 1000 else 0.10
 
 
 def seeded_sampler(method: str):
@@ -334,7 +392,12 @@ def test_seeded_single_draw_law(method, case, draws):
     kind, vocab, dtype, _ = case
     row = case_row(kind, vocab, dtype).float()  # exact: the cases are float32 or bfloat16
     counts = single_draw_counts(seeded_sampler(method), row, draws)
-    assert_law(counts, row.double().numpy(), what=f"seeded {method} {kind} V={vocab}")
+    exact = row.double().numpy()
+    assert_law(counts, exact, what=f"seeded {method} {kind} V={vocab}")
+    # Negative controls at this size, from the same draws: thinned to the law with the
+    # mid-mass tokens 1.5x the claim more likely, and reported one index off, they fail.
+    assert law_rejected(mid_mass_thinned(counts, exact, 1.5 * seeded_claim(vocab), 1), exact)
+    assert law_rejected(np.roll(counts, 1), exact)
 
 
 def test_seeded_law_rejects_parity_and_shifted_samplers():
@@ -356,24 +419,22 @@ def test_seeded_law_rejects_parity_and_shifted_samplers():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_seeded_joint_law_and_negative_control(method):
+    """Pairs drawn with a different (seed, step) per row follow the joint law (test_exactness's
+    procedure and size); negative controls from the same pairs: thinned to the law with its
+    mid-mass pairs 1.5x the claim more likely, and reported one index off, they fail."""
     row = torch.tensor(JOINT_ROW, dtype=torch.float32)
-    total = 200_000
-    batch = row.expand(total, -1)
-    ids = fs.sample_from_probs(
-        batch, 2, seed=torch.arange(total), step=torch.arange(total) % 97, method=method
-    ).token_ids.numpy()
-    vocab = len(JOINT_ROW)
-    counts = np.bincount(ids[:, 0] * vocab + ids[:, 1], minlength=vocab * vocab)
-    tuples = np.array([(a, b) for a in range(vocab) for b in range(vocab)])
-    exact = np.where(tuples[:, 0] == tuples[:, 1], 0.0, 1.0)
-    exact[exact > 0] = plackett_luce(np.array(JOINT_ROW), tuples[exact > 0])
-    assert_law(counts, exact, what=f"seeded joint {method}")
-    # Negative control: the same counts judged against a law with 2% moved onto token 0.
-    biased = np.array(JOINT_ROW) * 0.98
-    biased[0] += 0.02
-    wrong = np.where(tuples[:, 0] == tuples[:, 1], 0.0, 1.0)
-    wrong[wrong > 0] = plackett_luce(biased, tuples[wrong > 0])
-    assert law_rejected(counts, wrong)
+    calls = iter(range(10**9))
+
+    def draw(batch, n):
+        first = next(calls) * batch.shape[0]  # the same rows per call: distinct seeds
+        seeds = torch.arange(first, first + batch.shape[0])
+        return fs.sample_from_probs(batch, n, seed=seeds, step=seeds % 97, method=method).token_ids
+
+    counts, tuples = joint_counts(draw, row, 2, JOINT_DRAWS[2])
+    law, _ = joint_law(2)
+    assert_law(counts, law, what=f"seeded joint {method}")
+    assert law_rejected(mid_mass_thinned(counts, law, 1.5 * JOINT_CLAIM, 2), law)
+    assert law_rejected(shifted_tuples(counts, tuples), law)
 
 
 # --- argument errors ----------------------------------------------------------------------
@@ -435,3 +496,20 @@ def test_half_precision_pieces_match_float32_and_batch(dtype):
             half[row : row + 1], 2, seed=seeds[row : row + 1], step=steps[row : row + 1]
         )
         assert torch.equal(alone.token_ids, a.token_ids[row : row + 1])
+
+
+# --- the registry (tests/test_power.py checks each claim) ---------------------------------
+
+
+def law_cases():
+    uniform = np.ones(CELLS)
+    for name in ("row", "entry"):
+        yield LawCase(f"bit fields of {name} uniforms", uniform, SAMPLES, UNIFORM_CLAIM)
+    for what in NEIGHBOURS:
+        for name in ("row", "entry"):
+            yield LawCase(f"neighbouring {what}, {name} uniforms", uniform, SAMPLES, UNIFORM_CLAIM)
+    yield LawCase("row vs entry uniforms", uniform, SAMPLES, UNIFORM_CLAIM)
+    for method, (kind, vocab, dtype, _), draws in SEEDED_CASES:
+        law = case_row(kind, vocab, dtype).float().double().numpy()
+        yield LawCase(f"seeded {method} {kind} V={vocab}", law, draws, seeded_claim(vocab))
+    yield LawCase("seeded joint n=2", joint_law(2)[0], JOINT_DRAWS[2], JOINT_CLAIM)
