@@ -15,6 +15,7 @@ from fastsample.verify import acceptance
 from fastsample.verify import tree as tree_mod
 from stattests import LawCase
 from verify_helpers import (
+    CHAIN_DRAWS,
     INF,
     LAW_KIND,
     NAN,
@@ -33,7 +34,6 @@ from verify_helpers import (
 
 # ---------------------------------------------------------------------------- tree exactness
 
-V_TREE = 8
 # Irregular: widths 3, 4, 1, 2, 1, 1, 4 at different depths, depth 4 (structure, bad values and
 # graph tests).
 IRREGULAR = [-1, 0, 0, 0, 1, 1, 1, 1, 2, 4, 4, 8, 9, 11, 11, 11, 11]
@@ -46,17 +46,17 @@ def tree_depth(parents):
     return max(depth)
 
 
-# Full power (issue 18): TREE_DRAWS requests detect a 2% bias on 10% of the mass of the law
-# of the first token (32 cells: 4 start contexts x V = 8) and of the first two (256 cells),
-# with probability 0.99 at p < 1e-6 (stattests.draws_needed: 4.81M and 4.76M on the "mixed"
-# model, whose table rows are of every kind). One full-power test per mode, on LAW_TREE:
-# siblings tested after one and two rejections, an accepted path of depth 3 and the bonus
-# token below it, at the cost per request of 7 nodes and 3 walk steps (IRREGULAR: 17 and
-# 8). Uniforms from a generator (the seeded streams are the chain's, shared:
-# randomness.uniforms, checked bitwise in test_verify_randomness, law at full power in
-# test_chain). The negative controls run at the same size.
-LAW_TREE = [-1, 0, 0, 0, 1, 1, 4]  # root: 3 children; node 1: 2 children; node 4: 1 child
-TREE_DRAWS = 4_810_000
+# Full power (issue 18): CHAIN_DRAWS requests, on the chain tests' model and laws (24 and
+# 144 cells: see verify_helpers), detect a 2% bias on 10% of the mass with probability 0.99
+# at p < 1e-6. One full-power test per mode, on LAW_TREE: a second sibling tested after a
+# rejection, the final draw with both siblings removed, an accepted path of depth 2 and the
+# bonus token below it, at 4 nodes and 2 walk steps per request (IRREGULAR: 17 and 8; a
+# third sibling costs a third walk step, over the time budget of issue 18 with the controls).
+# Uniforms from a generator (the seeded streams are the chain's, shared: randomness.uniforms,
+# checked bitwise in test_verify_randomness, law at full power in test_chain). The negative
+# controls run at the same size.
+LAW_TREE = [-1, 0, 0, 1]  # root: 2 children; node 1: 1 child
+TREE_DRAWS = CHAIN_DRAWS
 TREE_CLAIM = 0.02
 MODES = {"a": "topk", "b": "sampled"}  # mode a on the draft's top-k children, b on drawn ones
 
@@ -64,7 +64,7 @@ MODES = {"a": "topk", "b": "sampled"}  # mode a on the draft's top-k children, b
 @functools.cache
 def tree_laws() -> tuple[np.ndarray, np.ndarray]:
     """Exact laws of the first token and of the first two, on the law tests' model."""
-    return ToyModel(LAW_KIND, V_TREE).exact_laws()
+    return ToyModel(LAW_KIND, V_CHAIN).exact_laws()
 
 
 def law_cases():
@@ -86,22 +86,21 @@ def law_tree_rounds(model, mode, seed):
 
 
 def test_tree_shapes():
-    widths = [len(kids) for kids in children_lists(LAW_TREE)]
-    assert (widths[0], widths[1], widths[4], tree_depth(LAW_TREE)) == (3, 2, 1, 3)
+    assert children_lists(LAW_TREE) == [[1, 2], [3], [], []]
     widths = [len(kids) for kids in children_lists(IRREGULAR)]
     assert [w for w in widths if w] == [3, 4, 1, 2, 1, 1, 4] and tree_depth(IRREGULAR) == 4
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tree_law(models, mode):
-    model = models(LAW_KIND, V_TREE)
+    model = models(LAW_KIND)
     draws = law_draws(model, TREE_DRAWS, law_tree_rounds(model, mode, seed=21))
     assert_drawn_laws(model, draws, f"tree mode {mode}")
 
 
 def rejected_in_mode(models, mode):
     """Whether the law test of test_tree_law, at its size, rejects the (patched) verifier."""
-    model = models(LAW_KIND, V_TREE)
+    model = models(LAW_KIND)
     return drawn_laws_rejected(model, TREE_DRAWS, law_tree_rounds(model, mode, seed=22))
 
 
