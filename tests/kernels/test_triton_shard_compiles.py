@@ -4,7 +4,7 @@ ptxas), no GPU needed (as tests/kernels/test_triton_compiles.py does for the sam
 The interpreter runs a kernel's Python; compiled Triton is stricter (constexpr globals,
 loop-carried types, dot shapes and dtypes), so the summaries, every kind of step (weights,
 candidates and their sort, float64 radix rounds on ``tl.dot``, the final cut) and the draws
-(several draws, greedy rows, unseeded) are compiled once each, one program per row.
+(several draws, greedy rows, unseeded) are compiled, one program per row.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ SCRIPT = textwrap.dedent(
                  M_SRC=2)
     DRAW = dict(IS_LOGITS=True, HAS_STEP=True, STREAM_ROWS=True, ROWS=1, TILE=256, SLOTS_PAD=8)
     CASES = [
+        # Greedy rows drawing 3 (the shard's 3 largest), unseeded (3 generator draws).
         (shard._summary_kernel, dict(IS_LOGITS=True, GREEDY=True, T_SRC=2, K_SRC=2, P_SRC=2,
-                                     M_SRC=2, UNIFORMS=2, COLS=5, ROWS=1, TILE=1024), False),
+                                     M_SRC=2, UNIFORMS=3, COLS=11, TOP_N=3, ROWS=1,
+                                     TILE=1024), False),
         # The weights, then the local k largest (radix rounds in the kernel, compaction).
         (sc._step_kernel, {**STEP, **CANDIDATES, "WEIGHTS": True, "STEP": sc.TOP}, False),
         # The merged candidates sorted, the candidate top-p cut, keep_at_least, slot sums.
@@ -63,11 +65,14 @@ SCRIPT = textwrap.dedent(
                            "WN": 9, "ROUNDS": 7, "HIST_F64": True}, True),
         # Every radix round read back, both radix cuts and a tensor min-p.
         (sc._step_kernel, {**STEP, **RADIX, "STEP": sc.APPLY}, False),
-        # A later draw of several, and a greedy unseeded float64 draw.
+        # A later draw of several; greedy rows drawing several, unseeded, float64; one
+        # greedy draw.
         (shard._draw_kernel, dict(DRAW, GREEDY=False, F64=False, K=1, MORE=True, WORDS=5,
-                                  COLS=2, UNSEEDED=False, N=3), False),
-        (shard._draw_kernel, dict(DRAW, GREEDY=True, F64=True, K=0, MORE=False, WORDS=4,
-                                  COLS=4, UNSEEDED=True, N=1), True),
+                                  COLS=2, UNSEEDED=False, N=3, TOKEN_WORD=0, MERGED=8), False),
+        (shard._draw_kernel, dict(DRAW, GREEDY=True, F64=True, K=1, MORE=True, WORDS=6,
+                                  COLS=11, UNSEEDED=True, N=3, TOKEN_WORD=5, MERGED=8), True),
+        (shard._draw_kernel, dict(DRAW, GREEDY=True, F64=False, K=0, MORE=False, WORDS=4,
+                                  COLS=3, UNSEEDED=False, N=1, TOKEN_WORD=0, MERGED=2), False),
     ]
     for kernel, constants, f64 in CASES:
         ptrs = pointers(f64)
@@ -95,4 +100,4 @@ def test_shard_kernels_compile_for_sm90():
     if done.returncode and "ptxas" in done.stderr and "No such file" in done.stderr:
         pytest.skip("this triton install has no ptxas")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 7
+    assert done.stdout.count("compiled") == 8

@@ -24,8 +24,9 @@ other top-p                       + 3 SUM (7 for float64)         +3 (+7)
 The steps, in order, each a launch followed by its collective (the data flow is the torch
 path's, :mod:`fastsample.distributed.sampling`, step for step):
 
-1. ``summaries`` -> all-gather ``(world, B, 2)`` (``3`` with a tensor temperature: the
-   shard's first maximal index for greedy rows): global maximum and validity;
+1. ``summaries`` -> all-gather ``(world, B, 2)``: global maximum and validity (with a tensor
+   temperature also the shard's first maximal index, or its ``n`` largest entries and their
+   ids for ``n`` draws, for greedy rows; unseeded, rank ``r``'s ``n`` generator draws);
 2. the cut steps of :mod:`fastsample.kernels.shard_cuts` (the first one also computes the
    weights): the candidates (all-gather), the radix rounds of top-k then top-p (SUM of each
    round's histogram), the ties at the candidate ``cut_k`` (SUM);
@@ -41,12 +42,14 @@ path's, :mod:`fastsample.distributed.sampling`, step for step):
 Covered calls (:func:`covered`): seeded or not, not all greedy, the 256-entry slot grid
 (vocabularies up to ~262k entries), ``world * top_k <= 4096`` for a candidate top-k (the
 merged candidates are sorted in registers), temperature, top-k, top-p and min-p as Python
-numbers or ``(B,)`` tensors, any ``num_samples`` (with a Python or no temperature; a tensor
-temperature draws once). Unseeded calls draw ``(B, n)`` uniforms from every rank's generator
-(one ``torch.rand``, the only device work besides the launches), sent in the summaries'
-last columns; every rank uses rank 0's, as the torch path does. The others take the torch
-path (also the reference): a tensor temperature with ``num_samples > 1`` (greedy rows need
-every shard's ``n`` largest entries), a Python ``temperature=0`` (nothing to draw: one
+numbers or ``(B,)`` tensors, any ``num_samples`` (greedy rows of a tensor temperature take
+the ``n`` largest entries: every shard's ``n`` largest sent in the summaries, merged by rank in
+the draw kernel, a row with fewer genuine ones repeating its last, as the torch path; where
+such a row's random draws run out before its greedy ones, the torch path reports a ``-inf``
+probability for the invalid row, this path 0). Unseeded calls draw ``(B, n)`` uniforms from
+every rank's generator (one ``torch.rand``, the only device work besides the launches), sent
+in the summaries' last columns; every rank uses rank 0's, as the torch path does. The others
+take the torch path (also the reference): a Python ``temperature=0`` (nothing to draw: one
 all-gather), coarse slot grids (vocabularies past ~262k entries), ``world * top_k > 4096``.
 
 Equality with the torch path: the weights, the top-k cut (candidates or radix counts), the
@@ -85,7 +88,6 @@ def covered(call: Call) -> bool:
     small_k = isinstance(k, int) and k <= CANDIDATE_MAX_K
     return (
         (isinstance(call.uniforms, CounterSource) or not call.seeded)
-        and (call.num_samples == 1 or not isinstance(c.temperature, Tensor))
         and not c.all_greedy
         and layout.per_slot == BLOCK
         and not (small_k and layout.world * k > MAX_MERGED)
@@ -144,7 +146,9 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
     greedy = tensors[0] is not None  # rows with T == 0 are greedy
     # Unseeded: every rank draws from its generator (as the torch path), rank 0's are used.
     uniforms = None if call.seeded else call.uniforms.row_uniforms(call.num_samples)
-    summary = shard.summaries_op(x, layout.start, is_logits, greedy, *tensors, uniforms)
+    summary = shard.summaries_op(
+        x, layout.start, is_logits, greedy, *tensors, uniforms, call.num_samples, layout.vocab
+    )
     table = comm.all_gather(summary)
 
     numbers: list[float | None] = [None if v is None or t is not None else float(v)
@@ -200,7 +204,7 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
         seed, step, stream = source.seed, source.step, source.stream
         stream_rows = stream if isinstance(stream, torch.Tensor) else None
     n = call.num_samples
-    records = x.new_empty((n, batch, shard.RECORD + (n > 1)), dtype=torch.int64)
+    records = x.new_empty((n, batch, shard.record_words(n, greedy)), dtype=torch.int64)
     live = x.new_empty((batch, layout.slots if n > 1 else 0), dtype=torch.float64)
     chosen = x.new_empty((batch if n > 1 else 0,), dtype=torch.int64)
     for k in range(n):  # each draw: one launch, one MAX of its record

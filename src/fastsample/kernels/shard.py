@@ -7,8 +7,9 @@ One call (one draw, seeded) on a rank holding columns ``[start, start + local)``
 
 1. :func:`summaries` -> ``(B, 2)`` float64: the shard's row maximum (``-inf`` on a bad row) and
    its badness (NaN anywhere for logits; NaN or a negative entry for probabilities; an
-   out-of-range tensor control); with a tensor temperature a third column, the shard's first
-   maximal global index (for greedy rows). All-gathered.
+   out-of-range tensor control); with a tensor temperature, for greedy rows, the shard's first
+   maximal global index (one draw) or its ``n`` largest entries and their global ids (``n``
+   draws); unseeded, this rank's ``n`` generator draws. All-gathered.
 2. :func:`fastsample.kernels.shard_cuts.step` (op ``step_op``), once per cut collective and
    once for the slot masses: the first launch reads the gathered ``(world, B, c)`` table
    (global maximum ``top``, validity) and writes the shard's weights ``(B, width)`` (logits:
@@ -24,8 +25,10 @@ One call (one draw, seeded) on a rank holding columns ``[start, start + local)``
    id, probability ``w / total`` and log-probability ``log w - log total`` in the output dtype,
    valid) into a ``(B, 4)`` int64 record; the other ranks write ``INT64_MIN``, and every rank
    writes the same record for an invalid row (the fallback) and for a valid greedy row (its
-   first global maximal index, probability 1). A MAX all-reduce of the records leaves every
-   rank with the owner's result, and the outputs are views of it (no unpacking launch).
+   first global maximal index, or the ``k``-th of the merged largest entries, probability 1).
+   A MAX all-reduce of the records leaves every rank with the owner's result, and the outputs
+   are views of them (no unpacking launch). Draw ``k > 0`` (one launch each) first sets the
+   previous draw's slot to the mass it left and removes the earlier draws' tokens.
 
 Record layout (int64 words): ``[token, bits(prob), bits(logprob), valid]``; float32 outputs sit
 in the low 32 bits (little-endian: the even float32 column of the int64 word's pair).
@@ -63,11 +66,11 @@ def _rows(batch: int, elements: int) -> int:
 
 @triton.jit
 def _summary_kernel(
-    x_ptr, x_sb, x_sv, batch, local, start_id, out_ptr, u_ptr,
+    x_ptr, x_sb, x_sv, batch, local, start_id, vocab, out_ptr, u_ptr,
     t_ptr, t_sb, k_ptr, k_sb, p_ptr, p_sb, m_ptr, m_sb,
     IS_LOGITS: tl.constexpr, GREEDY: tl.constexpr, T_SRC: tl.constexpr, K_SRC: tl.constexpr,
     P_SRC: tl.constexpr, M_SRC: tl.constexpr, UNIFORMS: tl.constexpr, COLS: tl.constexpr,
-    ROWS: tl.constexpr, TILE: tl.constexpr,
+    TOP_N: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < batch
@@ -107,8 +110,35 @@ def _summary_kernel(
     bad_row = bad > 0
     tl.store(out_ptr + rows * COLS, tl.where(bad_row, float("-inf"), best), mask=live)
     tl.store(out_ptr + rows * COLS + 1, bad_row.to(tl.float64), mask=live)
-    if GREEDY:
+    if TOP_N == 1:  # greedy rows, one draw: the first maximal index (TOP_N is 0 otherwise)
         tl.store(out_ptr + rows * COLS + 2, (best_id + start_id).to(tl.float64), mask=live)
+    if TOP_N > 1:
+        # Several greedy draws: the shard's TOP_N largest entries, largest first, ties by the
+        # lower index (as top_entries), one pass each; past the shard: -inf and id vocab.
+        previous = tl.full((ROWS,), float("inf"), tl.float64)
+        previous_id = tl.full((ROWS,), -1, tl.int64)
+        for i in tl.static_range(TOP_N):
+            value = tl.full((ROWS,), float("-inf"), tl.float64)
+            chosen = tl.zeros((ROWS,), tl.int64) + local
+            for start in range(0, local, TILE):
+                columns = start + offsets
+                inside = live[:, None] & (columns < local)
+                x = tl.load(x_ptr + rows[:, None] * x_sb + columns * x_sv, mask=inside,
+                            other=float("-inf")).to(tl.float64)  # fmt: skip
+                after = (x < previous[:, None]) | (
+                    (x == previous[:, None]) & (columns > previous_id[:, None])
+                )
+                eligible = inside & after
+                top = tl.max(tl.where(eligible, x, float("-inf")), 1)
+                first = tl.min(tl.where(eligible & (x == top[:, None]), columns, local), 1)
+                better = (top > value) | ((top == value) & (first < chosen))
+                chosen = tl.where(better, first, chosen)
+                value = tl.maximum(value, top)
+            ident = tl.where(chosen < local, chosen + start_id, vocab)
+            tl.store(out_ptr + rows * COLS + 2 + i, value, mask=live)
+            tl.store(out_ptr + rows * COLS + 2 + TOP_N + i, ident.to(tl.float64), mask=live)
+            previous = value
+            previous_id = chosen
     for j in tl.static_range(UNIFORMS):  # this rank's generator draws (rank 0's are used)
         u = tl.load(u_ptr + rows * UNIFORMS + j, mask=live, other=0.0)
         tl.store(out_ptr + rows * COLS + (COLS - UNIFORMS + j), u, mask=live)
@@ -122,7 +152,7 @@ def _draw_kernel(
     IS_LOGITS: tl.constexpr, HAS_STEP: tl.constexpr, STREAM_ROWS: tl.constexpr,
     GREEDY: tl.constexpr, F64: tl.constexpr, K: tl.constexpr, MORE: tl.constexpr,
     WORDS: tl.constexpr, COLS: tl.constexpr, UNSEEDED: tl.constexpr, N: tl.constexpr,
-    ROWS: tl.constexpr,
+    TOKEN_WORD: tl.constexpr, MERGED: tl.constexpr, ROWS: tl.constexpr,
     TILE: tl.constexpr, SLOTS_PAD: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -145,7 +175,7 @@ def _draw_kernel(
         left = tl.load(previous + 4, mask=live, other=0).to(tl.float64, bitcast=True)
         chosen = tl.load(chosen_ptr + rows, mask=live, other=0)
         sums = tl.where(every == chosen[:, None], left[:, None], sums)
-        previous_token = tl.load(previous, mask=live, other=0)
+        previous_token = tl.load(previous + TOKEN_WORD, mask=live, other=0)
         previous_ok = tl.load(previous + 3, mask=live, other=0) > 0
     prefix = tl.cumsum(sums, 1)
     remaining = tl.sum(tl.where(every == slots - 1, prefix, 0.0), 1)
@@ -187,7 +217,8 @@ def _draw_kernel(
     values = values.to(tl.float64)
     ids = start_id + begin[:, None] + offsets
     for j in tl.static_range(K):  # earlier draws are removed
-        taken = tl.load(records_ptr + (j * batch + rows) * WORDS, mask=live, other=-1)
+        taken = tl.load(records_ptr + (j * batch + rows) * WORDS + TOKEN_WORD, mask=live,
+                        other=-1)  # fmt: skip
         values = tl.where(ids == taken[:, None], 0.0, values)
     within = tl.cumsum(values, 1)
     slot_total = tl.sum(tl.where(offsets == draw_width - 1, within, 0.0), 1)
@@ -220,34 +251,84 @@ def _draw_kernel(
         token = tl.where(remaining > 0, token, previous_token)
         mine = mine | (valid & (remaining <= 0))
         ok = ok & previous_ok
-    if GREEDY:  # T == 0 rows: the first global maximal index, a point mass, on every rank
+    # The random chain's own state (the next draw's removal and mass left).
+    chain_token = token
+    chain_mine = mine
+    chain_ok = valid & (remaining > 0)
+    tokens_all = mine
+    probs_all = mine
+    ok_all = mine
+    if GREEDY:  # T == 0 rows: the first global maximal index(es), on every rank
         greedy = (tl.load(t_ptr + rows * t_sb, mask=live, other=1.0) == 0) & valid
-        greedy_id = tl.full(rows.shape, vocab, tl.int64)
-        for r in range(0, world):
-            at = table_ptr + (r * batch + rows) * COLS
-            maximal = tl.load(at, mask=live, other=0.0) == top
-            candidate = tl.load(at + 2, mask=live, other=0.0).to(tl.int64)
-            greedy_id = tl.minimum(greedy_id, tl.where(maximal, candidate, vocab))
-        token = tl.where(greedy, tl.minimum(tl.maximum(greedy_id, 0), vocab - 1), token)
-        one_bits = tl.full(rows.shape, ONE_BITS_F64 if F64 else ONE_BITS_F32, tl.int64)
-        prob_bits = tl.where(greedy, one_bits, prob_bits)
-        logprob_bits = tl.where(greedy, 0, logprob_bits)
-        mine = mine | greedy
+        if N == 1:  # the point mass at the first maximal index
+            greedy_id = tl.full(rows.shape, vocab, tl.int64)
+            for r in range(0, world):
+                at = table_ptr + (r * batch + rows) * COLS
+                maximal = tl.load(at, mask=live, other=0.0) == top
+                candidate = tl.load(at + 2, mask=live, other=0.0).to(tl.int64)
+                greedy_id = tl.minimum(greedy_id, tl.where(maximal, candidate, vocab))
+            token = tl.where(greedy, tl.minimum(tl.maximum(greedy_id, 0), vocab - 1), token)
+            one_bits = tl.full(rows.shape, ONE_BITS_F64 if F64 else ONE_BITS_F32, tl.int64)
+            prob_bits = tl.where(greedy, one_bits, prob_bits)
+            logprob_bits = tl.where(greedy, 0, logprob_bits)
+            tokens_all = tokens_all | greedy
+            probs_all = probs_all | greedy
+            ok_all = ok_all | greedy
+        else:
+            # Draw K of the merged N largest of every shard (value, then lower id first):
+            # by rank; rows with fewer genuine ones repeat the last (repeat_last_genuine).
+            c = tl.arange(0, MERGED)[None, :]
+            inside = live[:, None] & (c < world * N)
+            at = table_ptr + ((c // N) * batch + rows[:, None]) * COLS + 2 + c % N
+            v = tl.load(at, mask=inside, other=float("-inf"))
+            ident = tl.load(at + N, mask=inside, other=0.0).to(tl.int64)
+            ident = tl.where(inside, ident, vocab + 1 + c)  # pads last, distinct
+            before = (v[:, :, None] > v[:, None, :]) | (
+                (v[:, :, None] == v[:, None, :]) & (ident[:, :, None] < ident[:, None, :])
+            )
+            place = tl.sum(before.to(tl.int32), 1)
+            floor = float("-inf") if IS_LOGITS else 0.0
+            genuine = tl.sum((inside & (v > floor)).to(tl.int32), 1)
+            source = tl.maximum(tl.minimum(genuine - 1, K), 0)
+            greedy_id = tl.sum(tl.where(place == source[:, None], ident, 0), 1)
+            token = tl.where(greedy, tl.minimum(tl.maximum(greedy_id, 0), vocab - 1), token)
+            every_genuine = genuine >= N
+            # Every greedy draw genuine: probability 1; else the row is invalid and a genuine
+            # draw keeps the random draw's numbers (as the torch path), the others 0.
+            fixed = greedy & (every_genuine | (genuine <= K))
+            one = tl.where(every_genuine, 1.0, 0.0).to(tl.float64)
+            zero_or_ninf = tl.where(every_genuine, 0.0, float("-inf")).to(tl.float64)
+            if F64:
+                one_bits = one.to(tl.int64, bitcast=True)
+                fixed_logprob = zero_or_ninf.to(tl.int64, bitcast=True)
+            else:
+                one_bits = one.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
+                fixed_logprob = zero_or_ninf.to(tl.float32).to(tl.int32, bitcast=True)
+                fixed_logprob = fixed_logprob.to(tl.int64) & 0xFFFFFFFF
+            prob_bits = tl.where(fixed, one_bits, prob_bits)
+            logprob_bits = tl.where(fixed, fixed_logprob, logprob_bits)
+            ok = tl.where(greedy, every_genuine, ok)
+            tokens_all = tokens_all | greedy
+            probs_all = probs_all | fixed
+            ok_all = ok_all | greedy
     record = records_ptr + (K * batch + rows) * WORDS
     words = (
-        tl.where(valid, tl.where(mine, token, INT64_MIN), K),
-        tl.where(valid, tl.where(mine, prob_bits, INT64_MIN), prob_bits),
-        tl.where(valid, tl.where(mine, logprob_bits, INT64_MIN), logprob_bits),
-        tl.where(valid, tl.where(mine, ok.to(tl.int64), INT64_MIN), 0),
+        tl.where(valid, tl.where(tokens_all, token, INT64_MIN), K),
+        tl.where(valid, tl.where(probs_all, prob_bits, INT64_MIN), prob_bits),
+        tl.where(valid, tl.where(probs_all, logprob_bits, INT64_MIN), logprob_bits),
+        tl.where(valid, tl.where(ok_all, ok.to(tl.int64), INT64_MIN), 0),
     )
     for i in tl.static_range(4):
         tl.store(record + i, words[i], mask=live)
     if MORE:  # what the next draw needs: the slot's mass left (shared), the slot, the masses
         left = tl.sum(tl.where(picked, 0.0, values), 1)
-        left_bits = tl.where(ok, left, 0.0).to(tl.int64, bitcast=True)
-        tl.store(record + 4, tl.where(ok & ~mine, INT64_MIN, left_bits), mask=live)
+        left_bits = tl.where(chain_ok, left, 0.0).to(tl.int64, bitcast=True)
+        tl.store(record + 4, tl.where(chain_ok & ~chain_mine, INT64_MIN, left_bits), mask=live)
         tl.store(chosen_ptr + rows, slot, mask=live)
         tl.store(live_ptr + rows[:, None] * slots + every, sums, mask=in_slots)
+    if TOKEN_WORD != 0:  # greedy rows drew other tokens: the random chain's, for its removals
+        chain = tl.where(valid, tl.where(chain_mine, chain_token, INT64_MIN), K)
+        tl.store(record + TOKEN_WORD, chain, mask=live)
 
 
 def summaries(
@@ -257,6 +338,8 @@ def summaries(
     greedy: bool,
     controls: tuple[Tensor | float | None, ...],
     uniforms: Tensor | None = None,
+    top_n: int = 1,
+    vocab: int = 0,
 ) -> Tensor:
     """Launch 1: ``(B, 2)`` float64 ``[max or -inf, bad]`` of this shard (to all-gather), with
     a third column, the shard's first maximal global index, when a row may be ``greedy``
@@ -265,7 +348,7 @@ def summaries(
     calls), appended as the last ``n`` columns (every rank draws; rank 0's are used)."""
     batch, local = x.shape
     count = 0 if uniforms is None else uniforms.shape[1]
-    cols = (3 if greedy else 2) + count
+    cols = 2 + (0 if not greedy else 1 if top_n == 1 else 2 * top_n) + count
     out = torch.empty((batch, cols), dtype=torch.float64, device=x.device)
     if batch:
         tile = min(1024, max(16, triton.next_power_of_2(local)))
@@ -273,11 +356,12 @@ def summaries(
         t, k, p, m = (control_args(c, x) for c in controls)
         launch.count_launch()
         launch.launcher(_summary_kernel, INTERPRETED)[launch.grid(batch, rows)](
-            x, x.stride(0), x.stride(1), batch, local, start, out,
+            x, x.stride(0), x.stride(1), batch, local, start, vocab, out,
             x if uniforms is None else uniforms.contiguous(),
             t[0], t[1], k[0], k[1], p[0], p[1], m[0], m[1],
             IS_LOGITS=is_logits, GREEDY=greedy, T_SRC=t[3], K_SRC=k[3], P_SRC=p[3],
-            M_SRC=m[3], UNIFORMS=count, COLS=cols, ROWS=rows, TILE=tile,
+            M_SRC=m[3], UNIFORMS=count, COLS=cols, TOP_N=top_n if greedy else 0, ROWS=rows,
+            TILE=tile,
         )  # fmt: skip
     return out
 
@@ -310,14 +394,14 @@ def draw_record(
     _, width, head, first, owned, grid, rank, slots = layout
     n, words = records.shape[0], records.shape[2]
     greedy = temperature is not None
-    columns = 2 + greedy + (n if seed is None else 0)
-    if table.shape[2] != columns or (greedy and n > 1):
+    columns = 2 + (0 if not greedy else 1 if n == 1 else 2 * n) + (n if seed is None else 0)
+    if table.shape[2] != columns:
         raise ValueError(
-            "the summaries need a greedy column for a tensor temperature (one draw) and the "
+            "the summaries need the greedy columns for a tensor temperature and the "
             "generator's draws for an unseeded call"
         )
-    if not 0 <= k < n or words != (RECORD if n == 1 else RECORD + 1):
-        raise ValueError(f"draw {k} of {n} needs records of {RECORD if n == 1 else 5} words")
+    if not 0 <= k < n or words != record_words(n, greedy):
+        raise ValueError(f"draw {k} of {n} needs records of {record_words(n, greedy)} words")
     if batch:
         slots_pad = triton.next_power_of_2(slots)
         rows = _rows(batch, max(BLOCK, slots_pad))
@@ -335,9 +419,17 @@ def draw_record(
             draw_width,
             IS_LOGITS=is_logits, HAS_STEP=step is not None, STREAM_ROWS=stream_rows,
             GREEDY=greedy, F64=weights.dtype == torch.float64, K=k, MORE=k + 1 < n,
-            WORDS=words, COLS=table.shape[2], UNSEEDED=seed is None, N=n, ROWS=rows,
-            TILE=BLOCK, SLOTS_PAD=slots_pad,
+            WORDS=words, COLS=table.shape[2], UNSEEDED=seed is None, N=n,
+            TOKEN_WORD=5 if words == 6 else 0,
+            MERGED=triton.next_power_of_2(max(table.shape[0] * n, 2)), ROWS=rows, TILE=BLOCK,
+            SLOTS_PAD=slots_pad,
         )  # fmt: skip
+
+
+def record_words(n: int, greedy: bool) -> int:
+    """int64 words per row of a draw's record: 4 for one draw; 5 for several (the drawn slot's
+    mass left); 6 when greedy rows draw several (the random chain's own token)."""
+    return RECORD if n == 1 else 6 if greedy else 5
 
 
 def unpack(records: Tensor, f64: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -392,14 +484,18 @@ def _summaries_op(
     top_p: Tensor | None,
     min_p: Tensor | None,
     uniforms: Tensor | None,
+    top_n: int,
+    vocab: int,
 ) -> Tensor:
     controls = (temperature, top_k, top_p, min_p)
-    return summaries(x, start, is_logits, greedy, controls, uniforms)
+    return summaries(x, start, is_logits, greedy, controls, uniforms, top_n, vocab)
 
 
-def _summaries_fake(x, start, is_logits, greedy, temperature, top_k, top_p, min_p, uniforms):
+def _summaries_fake(x, start, is_logits, greedy, temperature, top_k, top_p, min_p, uniforms,
+                    top_n, vocab):  # fmt: skip
     count = 0 if uniforms is None else uniforms.shape[1]
-    return x.new_empty((x.shape[0], (3 if greedy else 2) + count), dtype=torch.float64)
+    cols = 2 + (0 if not greedy else 1 if top_n == 1 else 2 * top_n) + count
+    return x.new_empty((x.shape[0], cols), dtype=torch.float64)
 
 
 def _step_op(
