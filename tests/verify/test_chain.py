@@ -36,10 +36,10 @@ from verify_helpers import (
 # ---------------------------------------------------------------------------- chain exactness
 
 # Full power: CHAIN_DRAWS (verify_helpers) requests. One full-power test per code path:
-# drafts with probabilities (per-request seeds), point-mass drafts with ragged draft
-# lengths (uniforms from a generator: a third of the cost per request; the seeded uniforms'
-# layout is checked bitwise in test_verify_randomness). Their negative controls run at the
-# same size.
+# drafts with probabilities (per-request seeds), point-mass drafts, ragged draft lengths
+# (the last two with uniforms from a generator: a third of the cost per request; the seeded
+# uniforms' layout is checked bitwise in test_verify_randomness). Their negative controls
+# run at the same size.
 CHAIN_CLAIM = 0.02
 
 
@@ -63,7 +63,7 @@ def law_cases():
     def joint():
         return chain_laws()[1]
 
-    for test in ("draft probs", "point drafts, ragged lengths"):
+    for test in ("draft probs", "point drafts", "ragged lengths"):
         yield LawCase(f"chain {test}: first token", first, CHAIN_DRAWS, CHAIN_CLAIM)
         yield LawCase(f"chain {test}: first two tokens", joint, CHAIN_DRAWS, CHAIN_CLAIM)
     yield LawCase(
@@ -82,22 +82,32 @@ def test_chain_law_with_draft_probs(models):
     assert_drawn_laws(model, draws, "chain with draft probs")
 
 
-def point_drafts_ragged(model, seed):
-    return chain_rounds(model, seed=seed, probs=False, lengths=ragged_lengths, seeded=False)
+def point_drafts(model, seed):
+    return chain_rounds(model, seed=seed, probs=False, seeded=False)
 
 
-def test_chain_law_of_point_drafts_with_ragged_lengths(models):
-    """Drafts without probabilities are point masses (exact for any draft); each request
-    uses its first 0..4 drafts."""
+def ragged(model, seed):
+    return chain_rounds(model, seed=seed, lengths=ragged_lengths, seeded=False)
+
+
+def test_chain_law_of_point_drafts(models):
+    """Drafts without probabilities are point masses (exact for any draft)."""
     model = models(LAW_KIND)
-    draws = law_draws(model, CHAIN_DRAWS, point_drafts_ragged(model, seed=2))
-    assert_drawn_laws(model, draws, "chain, point drafts, ragged lengths")
+    draws = law_draws(model, CHAIN_DRAWS, point_drafts(model, seed=2))
+    assert_drawn_laws(model, draws, "chain, point drafts")
+
+
+def test_chain_law_with_ragged_draft_lengths(models):
+    """Each request uses its first 0..4 drafts (draft_lengths)."""
+    model = models(LAW_KIND)
+    draws = law_draws(model, CHAIN_DRAWS, ragged(model, seed=3))
+    assert_drawn_laws(model, draws, "chain, ragged draft lengths")
 
 
 def test_chain_accepted_counts_respect_ragged_lengths(models):
     model = models(LAW_KIND)
     rows = torch.arange(20_000)
-    out = point_drafts_ragged(model, seed=3)(model.starts[rows % GROUPS], rows, 0)
+    out = ragged(model, seed=3)(model.starts[rows % GROUPS], rows, 0)
     assert bool((out.num_accepted <= ragged_lengths(rows)).all())
     assert bool((out.num_accepted == ragged_lengths(rows)).any())
 
@@ -165,7 +175,7 @@ def test_chain_control_acceptance_with_less_or_equal(models, monkeypatch):
     monkeypatch.setattr(
         chain_mod, "accept_drafts", lambda u, p, q: (u if q is None else u * q) <= p
     )
-    draws = law_draws(model, CHAIN_DRAWS, point_drafts_ragged(model, seed=4), joint=False)
+    draws = law_draws(model, CHAIN_DRAWS, point_drafts(model, seed=4), joint=False)
     result = law_test(draws.first, chain_laws()[0])
     assert result.rejected and result.zero_hits > 0
 
