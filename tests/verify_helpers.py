@@ -16,6 +16,7 @@ Lives in tests/ (on ``sys.path`` through ``pythonpath``) under a name unique in 
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -269,6 +270,19 @@ CHUNK = 32_768  # requests per call: bounded memory, and temporaries the allocat
 # (chunks of 250k cost a third more CPU time in page faults)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread: the trials are many small ops, on which a second thread costs
+    more than it saves (measured on 2 cores: 1.7x the CPU time, 1.2x the wall time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@one_thread()
 def law_draws(model, requests, run_round, *, joint=True, chunk=CHUNK) -> LawDraws:
     """``requests`` independent requests, ``chunk`` at a time: ``run_round(keys, rows, i)``
     runs round ``i`` (0 or 1) of requests ``rows`` from contexts ``keys``. The second round

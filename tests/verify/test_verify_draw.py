@@ -20,6 +20,7 @@ from verify_helpers import (
     chain_rounds,
     draw_from,
     drawn_laws_rejected,
+    one_thread,
     random_chain_batch,
 )
 
@@ -92,6 +93,7 @@ def law_cases():
     )
 
 
+@one_thread()
 def first_token_counts(vocab: int, draws: int) -> np.ndarray:
     """First emitted tokens of one-draft chains: the draft drawn from ``q``, the target ``p``
     at the draft's position (a uniform bonus row after it), uniforms from a generator."""
