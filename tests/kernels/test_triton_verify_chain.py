@@ -288,7 +288,7 @@ def law_cases():
     runs = (  # (name, draws, claims: first token, first two; the torch path's law test)
         ("draft probs", BATCH, (0.10, 0.10), "test_chain_law_with_draft_probs"),
         ("point drafts, ragged lengths", BATCH // 2, (0.14, 0.13),
-         "test_chain_law_of_point_drafts_with_ragged_lengths"),
+         "test_chain_law_of_point_drafts and ::test_chain_law_with_ragged_draft_lengths"),
     )  # fmt: skip
     for name, draws, claims, torch_test in runs:
         for which, law, claim in (("first token", first, claims[0]),

@@ -1,4 +1,5 @@
-"""The verification and shard kernels compile for a GPU (sm_90 PTX), checked without one.
+"""The verification kernels compile for a GPU (sm_90 PTX), checked without one (the shard
+kernels: tests/kernels/test_triton_shard_compiles.py).
 
 The interpreter accepts code that Triton's compiler rejects (globals that are not constexpr,
 mixed types in ``where``, runtime ``if`` on tensors), so the kernels are also compiled, in a
@@ -23,20 +24,18 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from fastsample.kernels import shard as ks, verify_chain as kc, verify_tree as kt
+    from fastsample.kernels import verify_chain as kc, verify_tree as kt
 
     POINTERS = {"p_ptr": "*fp32", "q_ptr": "*fp32", "ua_ptr": "*fp64", "ur_ptr": "*fp64",
                 "ub_ptr": "*fp64", "scratch_ptr": "*fp64", "valid_ptr": "*i1"}
-    SHARD = {"x_ptr": "*fp32", "out_ptr": "*fp64", "table_ptr": "*fp64", "w_ptr": "*fp32",
-             "sums_ptr": "*fp32"}
     INTS = {"temperature_bits": "i64", "min_p_bits": "i64"}
 
-    def signature(fn, constants, pointers=POINTERS):
+    def signature(fn, constants):
         def kind(name):
             if name in constants:
                 return "constexpr"
             if name.endswith("_ptr"):
-                return pointers.get(name, "*i64")
+                return POINTERS.get(name, "*i64")
             if name in INTS:
                 return INTS[name]
             return "i64" if name.endswith(("sb", "sk", "sv", "sn")) else "i32"
@@ -54,22 +53,12 @@ SCRIPT = textwrap.dedent(
                          TILE=256, N_PAD=32, W_PAD=4, SUMS_TILE=512)
         source = ASTSource(kt._tree_kernel, signature(kt._tree_kernel, constants), constants)
         triton.compile(source, target=target)
-    shard = [
-        (ks._summary_kernel, dict(IS_LOGITS=True, ROWS=1, TILE=1024)),
-        (ks._weights_kernel, dict(IS_LOGITS=True, HAS_T=True, HAS_MIN_P=True, NO_COPY=False,
-                                  F64=False, ROWS=1, TILE=256, SLOTS_PAD=512)),
-        (ks._draw_kernel, dict(IS_LOGITS=False, HAS_STEP=True, STREAM_ROWS=False, F64=False,
-                               ROWS=1, TILE=256, SLOTS_PAD=512)),
-    ]
-    for fn, constants in shard:
-        source = ASTSource(fn, signature(fn, constants, {**POINTERS, **SHARD}), constants)
-        triton.compile(source, target=target)
     print("compiled")
     """
 )
 
 
-def test_verify_and_shard_kernels_compile_for_an_nvidia_gpu():
+def test_verify_kernels_compile_for_an_nvidia_gpu():
     try:
         from triton.backends import backends
     except ImportError:

@@ -45,8 +45,8 @@ from ..ops.inverse_cdf import BLOCK
 from ..ops.seeds import Purpose
 from . import launch
 from . import shard_cuts as cuts
-from .philox import INTERPRETED, counter_words, row_key, uniform_at
-from .rowwise import toward_zero
+from .philox import INTERPRETED, uniform_at
+from .rowwise import row_counters, toward_zero
 from .shard_cuts import _TENSOR, control, control_args, global_top
 
 DRAW = tl.constexpr(int(Purpose.DRAW))
@@ -182,18 +182,11 @@ def _draw_kernel(
     if UNSEEDED:  # rank 0's generator draw K, from the gathered table (its last N columns)
         u = tl.load(table_ptr + rows * COLS + (COLS - N + K), mask=live, other=0.0)
     else:
-        seed = tl.load(seed_ptr + rows * seed_sb, mask=live, other=0)
-        if HAS_STEP:
-            step = tl.load(step_ptr + rows * step_sb, mask=live, other=0)
-        else:
-            step = tl.zeros_like(seed)
-        if STREAM_ROWS:
-            stream = tl.load(stream_ptr + rows * stream_sb, mask=live, other=0)
-        else:
-            stream = tl.zeros_like(seed) + stream_value
-        k0, k1 = row_key(seed)
-        c1, c2, c3 = counter_words(step, stream, DRAW)
-        u = uniform_at(tl.zeros_like(seed) + K, c1, c2, c3, k0, k1)
+        c1, c2, c3, k0, k1 = row_counters(
+            rows, live, seed_ptr, seed_sb, step_ptr, step_sb, stream_ptr, stream_sb,
+            stream_value, HAS_STEP, STREAM_ROWS, DRAW,
+        )  # fmt: skip
+        u = uniform_at(tl.zeros_like(rows).to(tl.int64) + K, c1, c2, c3, k0, k1)
     target = tl.minimum(u * remaining, toward_zero(remaining))
     slot = tl.sum(((prefix <= target[:, None]) & in_slots).to(tl.int64), 1)
     slot = tl.minimum(slot, slots - 1)
