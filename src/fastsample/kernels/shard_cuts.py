@@ -310,6 +310,21 @@ def _candidate_top_p(merged, cut_k, ties, p, k, KPAD: tl.constexpr):
 
 
 @triton.jit
+def _slot_tile(j, head, width, grid, rank, first, offsets, live, ROWS: tl.constexpr,
+               TILE: tl.constexpr):  # fmt: skip
+    """The shard's tile ``j`` of the weight buffer (``j = -1``: the head slot ``[0, head)``;
+    then tiles of ``TILE`` from ``head`` up to ``width``, one slot each): ``columns`` and
+    ``inside`` ``(ROWS, TILE)`` (which columns lie in it, for the live rows), its global
+    ``slot`` and ``filled`` ``(ROWS,)`` (a live row and a non-empty tile)."""
+    tile = tl.zeros((ROWS,), tl.int64) + j
+    begin = tl.where(tile < 0, 0, head + tile * TILE)
+    end = tl.where(tile < 0, head, tl.minimum(head + (tile + 1) * TILE, width))
+    columns = begin[:, None] + offsets
+    slot = tl.where(tile < 0, grid + rank, first + tile)
+    return columns, live[:, None] & (columns < end[:, None]), slot, live & (end > begin)
+
+
+@triton.jit
 def _step_kernel(
     x_ptr, x_sb, x_sv, table_ptr, w_ptr, sums_ptr, cand_ptr, merged_ptr, hists_k_ptr,
     hists_p_ptr, ties_ptr,
@@ -347,11 +362,9 @@ def _step_kernel(
             divisor = control(t_ptr, 0, t_bits, rows, live, T_SRC).to(FLOAT)
         min_p_below = m_bits.to(tl.int64).to(tl.float64, bitcast=True).to(FLOAT)
         for j in range(-1, owned):
-            tile = tl.zeros((ROWS,), tl.int64) + j
-            begin = tl.where(tile < 0, 0, head + tile * TILE)  # -1: the head slot
-            end = tl.where(tile < 0, head, tl.minimum(head + (tile + 1) * TILE, width))
-            columns = begin[:, None] + offsets
-            inside = live[:, None] & (columns < end[:, None])
+            columns, inside, slot, filled = _slot_tile(
+                j, head, width, grid, rank, first, offsets, live, ROWS, TILE
+            )
             mine = inside & (columns < local)
             x = tl.load(x_ptr + rows[:, None] * x_sb + columns * x_sv, mask=mine).to(FLOAT)
             if IS_LOGITS:
@@ -370,9 +383,7 @@ def _step_kernel(
             w = tl.where(mine, w, 0.0)  # the padding column is 0
             tl.store(w_ptr + rows[:, None] * width + columns, w, mask=inside)
             if STEP == _APPLY and not HAS_CUT:
-                slot = tl.where(tile < 0, grid + rank, first + tile)
-                tl.store(sums_ptr + rows * slots + slot, tl.reduce(w, 1, _ADD),
-                         mask=live & (end > begin))  # fmt: skip
+                tl.store(sums_ptr + rows * slots + slot, tl.reduce(w, 1, _ADD), mask=filled)
         tl.debug_barrier()  # the steps below read the weights back, in other layouts
 
     # The cuts known so far, identical on every rank (they read only collective results).
@@ -436,18 +447,14 @@ def _step_kernel(
         below = below_bits.to(tl.int64).to(tl.float64, bitcast=True).to(FLOAT)
         scale = tl.maximum(cut, floor)
         for j in range(-1, owned):
-            tile = tl.zeros((ROWS,), tl.int64) + j
-            begin = tl.where(tile < 0, 0, head + tile * TILE)  # -1: the head slot
-            end = tl.where(tile < 0, head, tl.minimum(head + (tile + 1) * TILE, width))
-            columns = begin[:, None] + offsets
-            inside = live[:, None] & (columns < end[:, None])
+            columns, inside, slot, filled = _slot_tile(
+                j, head, width, grid, rank, first, offsets, live, ROWS, TILE
+            )
             at = w_ptr + rows[:, None] * width + columns
             q = _div(tl.load(at, mask=inside, other=0.0), scale[:, None], F64)
             q = tl.where(q > below, q, 0.0)
             tl.store(at, q, mask=inside)
-            slot = tl.where(tile < 0, grid + rank, first + tile)
-            tl.store(sums_ptr + rows * slots + slot, tl.reduce(q, 1, _ADD),
-                     mask=live & (end > begin))  # fmt: skip
+            tl.store(sums_ptr + rows * slots + slot, tl.reduce(q, 1, _ADD), mask=filled)
 
 
 def rows_per_program(batch: int, elements: int) -> int:
