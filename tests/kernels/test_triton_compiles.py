@@ -8,12 +8,11 @@ compiles each kernel once (one program per row, as on a GPU) in a fresh process 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from compiled_mode import run_compiled
 
 pytest.importorskip("triton")
 
@@ -59,15 +58,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    if done.returncode and "ptxas" in done.stderr and "No such file" in done.stderr:
-        pytest.skip("this triton install has no ptxas")
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 4
+    assert run_compiled(SCRIPT).count("compiled") == 4
 
 
 TRACE = textwrap.dedent(
@@ -96,9 +87,4 @@ TRACE = textwrap.dedent(
 def test_triton_ops_trace_with_fake_tensors():
     """The compiled-mode operators (``triton_op``) trace under fake tensors, as
     ``torch.compile`` does, with no GPU and without running a kernel."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", TRACE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("traced") == 3
+    assert run_compiled(TRACE, timeout=300).count("traced") == 3

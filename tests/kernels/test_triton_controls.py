@@ -9,9 +9,6 @@ edge shapes, greedy, launch counts and tracing under ``torch.compile``.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -22,6 +19,7 @@ pytest.importorskip("triton")
 
 import fastsample as fs
 import stattests
+from compiled_mode import run_compiled
 from fastsample.kernels import controls as kc
 from fastsample.kernels import controls_ops
 from fastsample.kernels.ops import draw_from_sums_op
@@ -449,23 +447,14 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
-def test_kernels_compile_for_a_gpu(tmp_path):
+def test_kernels_compile_for_a_gpu():
     """The GPU path without a GPU: Triton's compiler (sm_90, down to a cubin) takes the kernels,
     and their ``triton_op`` registrations trace under fake tensors (as ``torch.compile``).
 
     The interpreter runs code the compiler refuses (Python globals, early returns in constexpr
     branches, constexprs reassigned in static loops), so this guards the compiled path.
     """
-    script = tmp_path / "compile_kernels.py"
-    script.write_text(_COMPILE)
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "0"  # silences 3.9's warning; no kernel here fuses
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
-    )
-    if done.returncode and ("ptxas" in done.stderr and "not found" in done.stderr):
-        pytest.skip("no ptxas in this triton installation")
-    assert done.returncode == 0 and "traced" in done.stdout, done.stderr[-4000:]
+    assert "traced" in run_compiled(_COMPILE, fp_fusion=False)  # no kernel here fuses
 
 
 def law_cases():

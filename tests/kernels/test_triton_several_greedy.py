@@ -15,9 +15,6 @@ rows' tokens are the torch path's (tests/kernels/test_triton_controls.py judges 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -26,6 +23,7 @@ import torch
 pytest.importorskip("triton")
 
 import fastsample as fs
+from compiled_mode import run_compiled
 from fastsample.kernels import launch
 from fastsample.kernels.philox import INTERPRETED
 from fastsample.tools.bench.launches import device_work
@@ -332,25 +330,12 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
-def test_kernel_compiles_for_a_gpu(tmp_path):
+def test_kernel_compiles_for_a_gpu():
     """Compiled Triton is stricter than the interpreter: the kernel builds for sm_90 (no GPU
     needed), with sampled and greedy rows and with every row greedy; and its ``triton_op``
     registration traces under fake tensors (as ``torch.compile`` on a GPU)."""
-    script = tmp_path / "compile_several.py"
-    script.write_text(_COMPILE)
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "0"
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
-    )
-    if (
-        done.returncode
-        and "ptxas" in done.stderr
-        and ("not found" in done.stderr or "No such file" in done.stderr)
-    ):
-        pytest.skip("no ptxas in this triton installation")
-    assert done.returncode == 0 and done.stdout.count("compiled") == 2, done.stderr[-4000:]
-    assert "traced" in done.stdout
+    out = run_compiled(_COMPILE, fp_fusion=False)
+    assert out.count("compiled") == 2 and "traced" in out, out
 
 
 def test_torch_path_greedy_probabilities_agree_across_control_forms(backend):
