@@ -353,6 +353,24 @@ def detectable_bias(
     return worst, worst_name
 
 
+def equality_bias(checks: list[tuple[int, int]], mass: float = BIAS_MASS) -> float:
+    """The relative bias on ``mass`` of the probability that bitwise equality checks against an
+    exact sampler detect with probability ``POWER``: ``checks`` are ``(rows, allowed)``, each
+    failing when more than ``allowed`` of its ``rows`` (random rows, random counters) draw
+    another token than the exact sampler with the same uniforms. A bias ``delta`` on a set of
+    mass ``m`` moves ``m (1 - m) delta / (1 + m delta)`` of the probability (total variation),
+    so the sampler draws another token at least that often: the checks pass together with
+    probability ``prod_c P(Binom(rows, r) <= allowed)`` at a mismatch rate ``r``."""
+    from scipy.optimize import brentq
+    from scipy.stats import binom
+
+    def missed(rate: float) -> float:
+        return math.prod(binom.cdf(a, n, rate) for n, a in checks) - (1 - POWER)
+
+    rate = brentq(missed, 1e-12, 0.5)
+    return rate / (mass * (1 - mass) - mass * rate)
+
+
 def draws_needed(probs, target: float, mass: float = BIAS_MASS, multiple: int = 1000) -> int:
     """The smallest sample size (a multiple of ``multiple``) whose detectable bias is at most
     ``target``."""

@@ -21,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 import fastsample as fs
 import fastsample.hf as fh
 from fastsample.ops.seeds import Stream
-from stattests import BIAS_MASS, POWER, LawCase, assert_law, law_rejected
+from stattests import LawCase, assert_law, equality_bias, law_rejected
 
 PROMPT = [5, 17, 3, 42, 9]
 DRAWS = 20_000
@@ -256,16 +256,6 @@ def test_real_model_texts_differ_in_a_batch_only_where_its_logits_did():
 # ----------------------------------------------------------------------------- the registry
 
 
-def equality_bias(draws: int, mass: float = BIAS_MASS) -> float:
-    """The relative bias on ``mass`` of the probability that ``draws`` bitwise equalities with
-    an exact sampler's draws (none allowed to differ) detect with probability ``POWER``: such a
-    bias moves ``m (1 - m) delta / (1 + m delta)`` of the probability, so a sampler sharing the
-    exact one's uniforms draws another token at least that often (as
-    tests/kernels/test_triton_law.carried_bias, without triton)."""
-    rate = 1 - (1 - POWER) ** (1 / draws)
-    return rate / (mass * (1 - mass) - mass * rate)
-
-
 def law_cases():
     """The laws judged here, their sizes and claims: ``stattests.detectable_bias`` rounded up
     (tests/test_power.py checks them)."""
@@ -285,8 +275,8 @@ def law_cases():
         "tokens bitwise fastsample.sample's with the same seeds and processed distributions "
         "transformers' warpers' (tests/hf/test_hf_generate.py::test_tokens_equal_fastsample_"
         f"sample_with_the_same_seeds, {draws} draws per setting, detect "
-        f"{equality_bias(draws):.1%} on 10% of the mass); fastsample.sample's law test: tests/"
-        "test_controls.py::test_sample_frequencies_match_reference; a generate loop per "
+        f"{equality_bias([(draws, 0)]):.1%} on 10% of the mass); fastsample.sample's law test: "
+        "tests/test_controls.py::test_sample_frequencies_match_reference; a generate loop per "
         "draw costs too much for more here"
     )
     claims = {(0, 0): 0.25, (0, 1): 0.34, (1, 0): 0.33, (1, 1): 0.36}

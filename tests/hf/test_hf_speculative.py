@@ -90,7 +90,7 @@ def test_single_request_speculative_law_equals_the_targets(models):
 
 
 # Requests of the equality test below: none allowed to differ, they detect a law 2.5% off on
-# 10% of the mass (test_hf_generate.equality_bias); the law tests above detect ~85-400% here.
+# 10% of the mass (stattests.equality_bias); the law tests above detect ~85-400% here.
 SAME_REQUESTS, SAME_DRAFTS, SAME_PROMPT = 2048, 3, 5
 
 
@@ -202,7 +202,7 @@ def law_cases():
     (tests/test_power.py checks them)."""
     import functools
 
-    from test_hf_generate import equality_bias
+    from stattests import equality_bias
 
     @functools.cache
     def law(row: int) -> np.ndarray:
@@ -213,9 +213,10 @@ def law_cases():
     carriers = (
         "tokens bitwise sample_from_probs' drafts and verify_chain's with the same seeds "
         "(tests/hf/test_hf_speculative.py::test_first_round_equals_fastsample_with_the_same_"
-        f"seeds, {SAME_REQUESTS} requests, detect {equality_bias(SAME_REQUESTS):.1%} on 10% of "
-        "the mass) on processed distributions transformers' warpers' (tests/hf/test_hf_generate"
-        ".py::test_tokens_equal_fastsample_sample_with_the_same_seeds); verify_chain's law test: "
+        f"seeds, {SAME_REQUESTS} requests, detect {equality_bias([(SAME_REQUESTS, 0)]):.1%} "
+        "on 10% of the mass) on processed distributions transformers' warpers' "
+        "(tests/hf/test_hf_generate.py::test_tokens_equal_fastsample_sample_with_the_same_seeds); "
+        "verify_chain's law test: "
         "tests/verify/test_chain.py::test_chain_law_with_draft_probs; a "
         "speculative loop per draw costs too much for more here"
     )

@@ -193,7 +193,7 @@ def test_law_of_the_draws_against_exact_probabilities():
 
 # Draws from the controls kernel's weights, compared with the torch path's: with at most
 # DRAW_ROWS // 10_000 differing, they detect a law 2% off on 10% of the mass
-# (test_triton_law.carried_bias).
+# (stattests.equality_bias).
 DRAW_ROWS = 4096
 EQUALITY_CHECKS = [(DRAW_ROWS, DRAW_ROWS // 10_000)]
 
@@ -460,7 +460,7 @@ def test_kernels_compile_for_a_gpu():
 def law_cases():
     """The law judged here, its size and claim: ``stattests.detectable_bias`` rounded up
     (tests/test_power.py checks them)."""
-    from test_triton_law import carried_bias
+    from stattests import equality_bias
 
     law = reference_probs(law_logits()[0].double().numpy(), *LAW_CONTROLS.values())
     carriers = (
@@ -468,7 +468,7 @@ def law_cases():
         "test_triton_controls.py::test_processed_distribution_matches_torch_path, "
         "::test_processed_distribution_matches_float64_sorting_reference), draws from them the "
         "torch path's tokens (::test_draws_from_the_kernels_weights_identical_to_torch_path, "
-        f"{DRAW_ROWS} random rows, detect {carried_bias(EQUALITY_CHECKS):.1%} on 10% of the "
+        f"{DRAW_ROWS} random rows, detect {equality_bias(EQUALITY_CHECKS):.1%} on 10% of the "
         "mass); the torch path's law test: tests/test_controls.py::test_sample_frequencies_"
         "match_reference; the interpreter affords no more draws here"
     )

@@ -15,14 +15,14 @@ the rest.
 **Power.** The interpreter affords laws of 12k-60k draws here, detecting 15-43% biases on 10%
 of the mass (``law_cases``), not the 2% target. The target is carried by the torch path's law
 tests at full power and by equality checks: with the torch path's counters the kernels draw the
-torch path's tokens on random rows. :func:`carried_bias` computes what such a check detects, and
+torch path's tokens on random rows. :func:`stattests.equality_bias` computes what such a check
+detects, and
 ``test_equality_checks_carry_the_target`` holds every Triton module's checks to the target.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from pathlib import Path
 
@@ -34,10 +34,9 @@ pytest.importorskip("triton")
 
 import fastsample as fs
 from stattests import (
-    BIAS_MASS,
-    POWER,
     LawCase,
     assert_law,
+    equality_bias,
     law_rejected,
     plackett_luce,
     poisson_bounds,
@@ -160,29 +159,10 @@ def test_tail_token_rejects_doubled_tail():
 # ----------------------------------------------------------------------------- the registry
 
 
-def carried_bias(checks: list[tuple[int, int]], mass: float = BIAS_MASS) -> float:
-    """The relative bias on ``mass`` of the probability that equality checks against the torch
-    path detect with probability ``POWER``: ``checks`` are ``(rows, allowed)``, each failing
-    when more than ``allowed`` of its ``rows`` (random rows, random counters) draw another
-    token than the torch path. A bias ``delta`` on a set of mass ``m`` moves
-    ``m (1 - m) delta / (1 + m delta)`` of the probability (total variation), so a sampler
-    with the torch path's uniforms draws another token than the (exact) torch path at least
-    that often: the checks pass together with probability ``prod_c P(Binom(rows, r) <=
-    allowed)`` at a mismatch rate ``r``."""
-    from scipy.optimize import brentq
-    from scipy.stats import binom
-
-    def missed(rate: float) -> float:
-        return math.prod(binom.cdf(a, n, rate) for n, a in checks) - (1 - POWER)
-
-    rate = brentq(missed, 1e-12, 0.5)
-    return rate / (mass * (1 - mass) - mass * rate)
-
-
 def carried(checks: list[tuple[int, int]], names: str, torch_law: str) -> str:
     return (
         f"tokens equal to the torch path's with the same counters ({names}: "
-        f"{sum(n for n, _ in checks)} random rows, detect {carried_bias(checks):.1%} on 10% "
+        f"{sum(n for n, _ in checks)} random rows, detect {equality_bias(checks):.1%} on 10% "
         f"of the mass); the torch path's law test: {torch_law}; the interpreter affords "
         "no more draws here"
     )
@@ -239,10 +219,10 @@ def test_equality_checks_carry_the_target():
         "verify_tree": test_triton_verify_tree.EQUALITY_CHECKS,
     }
     for name, pairs in checks.items():
-        bias = carried_bias(pairs)
+        bias = equality_bias(pairs)
         assert bias <= target_bias(1000), f"{name}: {pairs} detect only {bias:.2%}"
     # Negative control: the 768 rows per method this check first had detect only 6.7%.
-    assert carried_bias([(768, 0)]) > target_bias(1000)
+    assert equality_bias([(768, 0)]) > target_bias(1000)
 
 
 def test_carrying_tests_exist():

@@ -60,7 +60,7 @@ CASES = [
     (1, torch.float64, 512),
 ]
 # Rows per case: with at most allowed_mismatches(rows) differing, the 4 x 768 rows detect a law
-# 2% off on 10% of the mass (test_triton_law.carried_bias), what the Triton law tests carry.
+# 2% off on 10% of the mass (stattests.equality_bias), what the Triton law tests carry.
 SEEDED_ROWS = 768
 
 

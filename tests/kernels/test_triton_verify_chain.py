@@ -156,7 +156,7 @@ CASES = [  # (batch, K, V, dtype): V not a multiple of the block, several blocks
 ]
 CALLS = 4  # per case: with and without draft probabilities, with and without draft lengths
 # Rows and allowed mismatches of each case (V=1 draws nothing random): together they detect a
-# law 2% off on 10% of the mass (test_triton_law.carried_bias), what the law tests carry. The
+# law 2% off on 10% of the mass (stattests.equality_bias), what the law tests carry. The
 # interpreter runs a batch in tiles of rows, so rows cost little here.
 EQUALITY_CHECKS = [(b * CALLS, b * CALLS // 1000) for b, _, v, _ in CASES if v > 1]
 

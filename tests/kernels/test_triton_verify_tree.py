@@ -121,7 +121,7 @@ def random_trees(batch, n, vocab, gen, dtype=torch.float32):
 
 # (V, dtype, batch): the interpreter runs a batch in tiles of rows, so rows cost little but
 # at V=300 in float64. Rows (two calls per case) and allowed mismatches together detect a law
-# 2% off on 10% of the mass (test_triton_law.carried_bias), what the law tests carry.
+# 2% off on 10% of the mass (stattests.equality_bias), what the law tests carry.
 HOST_TREE_CASES = [(24, torch.float32, 2000), (300, torch.float64, 400), (40, torch.float16, 2000)]
 EQUALITY_CHECKS = [(2 * batch, 2 * batch // 1000) for _, _, batch in HOST_TREE_CASES]
 
