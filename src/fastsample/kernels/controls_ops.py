@@ -135,7 +135,7 @@ def _several_launcher(
 
 
 def _several_fake(source, is_logits, num_samples, *rest):
-    return _greedy.several_outputs(source, num_samples)
+    return _greedy.outputs(source, num_samples)
 
 
 controls_op = _register("controls", _controls_launcher, _controls_fake)
@@ -143,25 +143,24 @@ greedy_op = _register("greedy", _greedy_launcher, _greedy_fake)
 several_op = _register("greedy_several", _several_launcher, _several_fake)
 
 
-def _unit_stride(controls: Controls) -> Controls:
-    """``controls`` with every ``(B,)`` tensor readable at ``ptr + row`` (the kernels' layout):
-    a 0-dim control expanded to ``(B,)`` (stride 0) or a strided view is copied, one op."""
+def _unit_stride(value):
+    """A ``(B,)`` tensor readable at ``ptr + row`` (the kernels' layout): a 0-dim value
+    expanded to ``(B,)`` (stride 0) or a strided view is copied, one op; anything else as is."""
+    if isinstance(value, Tensor) and value.stride(0) != 1:
+        return value.contiguous()
+    return value
 
-    def rows(value):
-        if isinstance(value, Tensor) and value.stride(0) != 1:
-            return value.contiguous()
-        return value
 
+def _unit_stride_controls(controls: Controls) -> Controls:
     t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
-    return Controls(rows(t), rows(k), rows(p), rows(m))
+    return Controls(_unit_stride(t), _unit_stride(k), _unit_stride(p), _unit_stride(m))
 
 
 def _tensor_stream(source: UniformSource) -> Tensor | None:
     """The ``(B,)`` stream of a seeded call, when given as a tensor (checked in the kernel),
     with unit stride (the controls and greedy kernels read ``ptr + row``)."""
     if isinstance(source, CounterSource) and isinstance(source.stream, Tensor):
-        stream = source.stream
-        return stream if stream.stride(0) == 1 else stream.contiguous()
+        return _unit_stride(source.stream)
     return None
 
 
@@ -174,10 +173,10 @@ def processed(
     normalized: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(weights, sums, total, valid, top_ids, top_logprobs)`` of
-    :func:`.controls.processed_weights`, as an op."""
+    :func:`.controls.processed_weights`, as an op (``(B,)`` controls and ``stream`` with unit
+    stride: :func:`sample` and :func:`process` see to it)."""
     source = logits if logits is not None else probs
     assert source is not None
-    controls = _unit_stride(controls)
     t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
     return controls_op(
         source,
@@ -210,7 +209,7 @@ def sample(
     layer needs nothing from the one above)."""
     data = logits if logits is not None else probs
     assert data is not None
-    controls = _unit_stride(controls)
+    controls = _unit_stride_controls(controls)
     stream = _tensor_stream(source)
     is_logits = logits is not None
     several = num_samples > 1 and (controls.all_greedy or isinstance(controls.temperature, Tensor))
@@ -254,4 +253,4 @@ def sample(
 def process(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Tensor:
     """:func:`fastsample.process` on the Triton backend: kept weights over their total, in the
     controls kernel (one launch)."""
-    return processed(logits, probs, controls, None, normalized=True)[0]
+    return processed(logits, probs, _unit_stride_controls(controls), None, normalized=True)[0]

@@ -61,14 +61,15 @@ def _greedy_kernel(
     tl.store(valid_ptr + row, valid)
 
 
-def outputs(source: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Empty ``(ids, probs, logprobs, valid)`` for ``source`` (also the fake kernel's)."""
+def outputs(source: Tensor, num_samples: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty ``(ids, probs, logprobs, valid)`` of :func:`greedy` (``num_samples = 1``) or
+    :func:`several` for ``source`` (also the fake kernels')."""
     batch = source.shape[0]
     dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
     return (
-        source.new_empty((batch, 1), dtype=torch.int64),
-        source.new_empty((batch, 1), dtype=dtype),
-        source.new_empty((batch, 1), dtype=dtype),
+        source.new_empty((batch, num_samples), dtype=torch.int64),
+        source.new_empty((batch, num_samples), dtype=dtype),
+        source.new_empty((batch, num_samples), dtype=dtype),
         source.new_empty((batch,), dtype=torch.bool),
     )
 
@@ -253,18 +254,6 @@ def _draws_kernel(
     )  # fmt: skip
 
 
-def several_outputs(source: Tensor, num_samples: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Empty ``(ids, probs, logprobs, valid)`` of :func:`several` (also the fake kernel's)."""
-    batch = source.shape[0]
-    dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
-    return (
-        source.new_empty((batch, num_samples), dtype=torch.int64),
-        source.new_empty((batch, num_samples), dtype=dtype),
-        source.new_empty((batch, num_samples), dtype=dtype),
-        source.new_empty((batch,), dtype=torch.bool),
-    )
-
-
 def several(
     source: Tensor,
     is_logits: bool,
@@ -290,7 +279,7 @@ def several(
     if source.stride(-1) != 1:
         source = source.contiguous()
     batch, vocab = source.shape
-    ids, p_out, logp_out, valid = several_outputs(source, num_samples)
+    ids, p_out, logp_out, valid = outputs(source, num_samples)
     if batch == 0:
         return ids, p_out, logp_out, valid
     mode = SCAN if processed is None else (ALL if temperature is None else SOME)
