@@ -17,7 +17,7 @@ from ..ops.pieces import piece_rows
 from ..ops.select import CANDIDATE_MAX_K, descend, key_scratch, largest_entries
 from .agree import Call
 from .comm import Comm
-from .shard import RADIX_PIECE_BYTES, RADIX_ROUNDS, Layout, radix_histogram
+from .shard import RADIX_PIECE_BYTES, RADIX_ROUNDS, Layout, histogram_dtype, radix_histogram
 
 __all__ = ["global_cut"]
 
@@ -34,8 +34,7 @@ def _radix_threshold(comm: Comm, values: Tensor, target: Tensor, by: str, layout
     ``[0, 1]``.
     """
     dtype = values.dtype
-    wide = dtype == torch.float64 or layout.vocab >= 1 << 24  # float32 counts exact below 2**24
-    hist_dtype = torch.float64 if wide else torch.float32
+    hist_dtype = histogram_dtype(dtype, layout.vocab)
     batch, vocab = values.shape
     # One key scratch for every round, a few rows at a time on CPU (as select's radix).
     row_bytes = vocab * values.element_size()

@@ -101,6 +101,19 @@ def make_layout(start: int, local: int, vocab: int, rank: int, world: int) -> La
 # ---------------------------------------------------------------------------- weights
 
 
+def probs_are_weights(controls: Controls, dtype: torch.dtype, vocab: int) -> bool:
+    """Whether probabilities of ``dtype`` serve as their own weights (no copy): nothing cut, no
+    temperature, already the compute dtype. The single-process sampler skips the copy under
+    exactly these conditions (its vocabulary is even then, so no shard carries a padding
+    column)."""
+    return (
+        controls.temperature is None
+        and not controls.filters
+        and dtype == compute_dtype(dtype)
+        and vocab % 2 == 0
+    )
+
+
 def shard_weights(
     logits: Tensor | None,
     probs: Tensor | None,
@@ -133,14 +146,7 @@ def shard_weights(
         logit_weights_(weights[:, :local], logits, torch.where(finite, top, 0.0), temperature)
         return weights
     assert probs is not None
-    # The single-process sampler skips the copy under exactly these conditions (its vocabulary
-    # is even then, so no shard carries a padding column).
-    if (
-        temperature is None
-        and not controls.filters
-        and probs.dtype == dtype
-        and layout.vocab % 2 == 0
-    ):
+    if probs_are_weights(controls, probs.dtype, layout.vocab):
         return probs.contiguous()
     weights = torch.zeros(batch, width, dtype=dtype, device=probs.device)
     prob_weights_(weights[:, :local], probs, torch.where(finite, top, 1.0), temperature)
@@ -230,6 +236,13 @@ RADIX_ROUNDS = {torch.float32: (10, 10, 10), torch.float64: (8, 9, 9, 9, 9, 9, 9
 # Bytes of keys per piece of rows on CPU (1 MiB, as in select's radix): a reused scratch in
 # cache.
 RADIX_PIECE_BYTES = 1 << 20
+
+
+def histogram_dtype(dtype: torch.dtype, vocab: int) -> torch.dtype:
+    """The dtype of the radix histograms of ``dtype`` weights over a ``vocab``-entry row:
+    float32 counts (and float32 masses) are exact below 2**24 entries, float64 beyond."""
+    wide = dtype == torch.float64 or vocab >= 1 << 24
+    return torch.float64 if wide else torch.float32
 
 
 def radix_histogram(

@@ -76,6 +76,7 @@ from ..ops.weights import compute_dtype
 from ..sampling import SampleOutput
 from .agree import Call
 from .comm import Comm
+from .shard import histogram_dtype, probs_are_weights
 
 # Most merged candidates per row (world * top_k) that the kernels sort in registers.
 MAX_MERGED = 4096
@@ -158,9 +159,7 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
     if m_mode == sc.PLAIN:
         numbers[3] = predecessor(float(c.min_p), dtype)  # type: ignore[arg-type]
     # The torch path uses the probabilities themselves (no copy) exactly in this case.
-    no_copy = (
-        not is_logits and c.temperature is None and not c.filters and x.dtype == dtype
-    ) and layout.vocab % 2 == 0
+    no_copy = not is_logits and probs_are_weights(c, x.dtype, layout.vocab)
     k_static = c.top_k if k_mode == sc.CAND else 0
     assert isinstance(k_static, int)
     sizes = [
@@ -168,8 +167,7 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
         layout.rank, layout.slots,
     ]  # fmt: skip
     # Buffers the launches fill (allocations only: no device work).
-    wide = dtype == torch.float64 or layout.vocab >= 1 << 24  # float32 counts exact below
-    hist_dtype = torch.float64 if wide else torch.float32
+    hist_dtype = histogram_dtype(dtype, layout.vocab)
     buckets = batch * sc.histogram_buckets(dtype)
     weights = x.new_empty((batch, layout.width), dtype=dtype)
     sums = x.new_empty((batch, layout.slots), dtype=dtype)
