@@ -17,6 +17,7 @@ Lives in tests/ (on ``sys.path`` through ``pythonpath``) under a name unique in 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -358,6 +359,13 @@ CHAIN_DRAWS = 4_500_000
 LAW_KIND = "mixed"
 CHAIN_BATCH = 200_000  # the Triton interpreter's tests (tests/kernels)
 V_CHAIN = 6
+
+
+@functools.cache
+def law_model_laws() -> tuple[np.ndarray, np.ndarray]:
+    """Exact laws of the first emitted token and of the first two on the law tests' model
+    (``ToyModel(LAW_KIND, V_CHAIN)``), for the modules' registries (``law_cases``)."""
+    return ToyModel(LAW_KIND, V_CHAIN).exact_laws()
 
 
 def random_chain_batch(batch, k, vocab, seed=0, dtype=torch.float32):

@@ -4,7 +4,6 @@ invariance, bad input, and graph safety."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -30,6 +29,7 @@ from verify_helpers import (
     chain_round,
     chain_rounds,
     law_draws,
+    law_model_laws,
     random_chain_batch,
 )
 
@@ -48,20 +48,14 @@ def ragged_lengths(rows):
     return (rows * 7919 + 3) % 5
 
 
-@functools.cache
-def chain_laws() -> tuple[np.ndarray, np.ndarray]:
-    """Exact laws of the first token and of the first two, on the law tests' model."""
-    return ToyModel(LAW_KIND, V_CHAIN).exact_laws()
-
-
 def law_cases():
     """The laws this module judges, with their sizes (tests/test_power.py checks them)."""
 
     def first():
-        return chain_laws()[0]
+        return law_model_laws()[0]
 
     def joint():
-        return chain_laws()[1]
+        return law_model_laws()[1]
 
     for test in ("draft probs", "point drafts", "ragged lengths"):
         yield LawCase(f"chain {test}: first token", first, CHAIN_DRAWS, CHAIN_CLAIM)
@@ -176,7 +170,7 @@ def test_chain_control_acceptance_with_less_or_equal(models, monkeypatch):
         chain_mod, "accept_drafts", lambda u, p, q: (u if q is None else u * q) <= p
     )
     draws = law_draws(model, CHAIN_DRAWS, point_drafts(model, seed=4), joint=False)
-    result = law_test(draws.first, chain_laws()[0])
+    result = law_test(draws.first, law_model_laws()[0])
     assert result.rejected and result.zero_hits > 0
 
 

@@ -4,9 +4,6 @@ safety, and the cached walk tables of host trees."""
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import pytest
 import torch
 
@@ -23,12 +20,12 @@ from verify_helpers import (
     Q2,
     V_CHAIN,
     X2,
-    ToyModel,
     assert_drawn_laws,
     capture,
     children_lists,
     drawn_laws_rejected,
     law_draws,
+    law_model_laws,
     tree_rounds,
 )
 
@@ -61,20 +58,14 @@ TREE_CLAIM = 0.02
 MODES = {"a": "topk", "b": "sampled"}  # mode a on the draft's top-k children, b on drawn ones
 
 
-@functools.cache
-def tree_laws() -> tuple[np.ndarray, np.ndarray]:
-    """Exact laws of the first token and of the first two, on the law tests' model."""
-    return ToyModel(LAW_KIND, V_CHAIN).exact_laws()
-
-
 def law_cases():
     """The laws this module judges, with their sizes (tests/test_power.py checks them)."""
 
     def first():
-        return tree_laws()[0]
+        return law_model_laws()[0]
 
     def joint():
-        return tree_laws()[1]
+        return law_model_laws()[1]
 
     for mode in MODES:
         yield LawCase(f"tree mode {mode}: first token", first, TREE_DRAWS, TREE_CLAIM)
