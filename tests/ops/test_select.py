@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 import fastsample.ops.select as select_module
 from fastsample.ops.select import (
     _bisect_threshold,
+    candidate_entries,
     descending_threshold,
     first_argmax,
     largest_entries,
@@ -165,6 +167,44 @@ def test_top_entries_orders_ties_by_index_across_blocks(dtype):
     large_values, large_ids = largest_entries(values, 300)
     assert torch.equal(large_values, got_values)  # same multiset of values, sorted
     assert torch.equal(values.gather(1, large_ids), large_values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [2999, 4096, 20_000])
+def test_candidates_from_the_reaching_entries_are_the_fixed_shape_ones(vocab, dtype, monkeypatch):
+    """``candidate_entries(host=True)`` (CPU eager: the entries reaching the smallest candidate
+    block maximum, data-dependent shapes) gives the fixed-shape way's values, sorted, and
+    ids and positions that hold them; ties, NaN and sparse rows fall back to the fixed way."""
+    gen = torch.Generator().manual_seed(vocab)
+    calls = []
+    reaching = select_module._entries_reaching
+
+    def spy(*args):
+        found = reaching(*args)
+        calls.append(found is not None)
+        return found
+
+    monkeypatch.setattr(select_module, "_entries_reaching", spy)
+    continuous = torch.randn(8, vocab, generator=gen) * torch.tensor([3.0, 1, 0.3, 10] * 2)[:, None]
+    continuous[5, ::2] = -math.inf  # masked, with enough finite blocks
+    ties = torch.randint(-2, 3, (2, vocab), generator=gen).float()
+    nan = continuous[:2].clone()
+    nan[1, 7] = math.nan
+    sparse = torch.full((1, vocab), -math.inf)
+    sparse[0, [3, vocab // 2]] = 1.0  # fewer finite blocks than candidates: the floor is -inf
+    # With each case, the largest num the reaching entries serve (sparse: one finite block).
+    cases = [(continuous, 11), (ties, 0), (nan, 0), (sparse, 1)]
+    for (values, engaged), num in itertools.product(cases, (1, 9, 11)):
+        values = values.to(dtype)
+        calls.clear()
+        fast = candidate_entries(values, num, host=True)
+        fixed = candidate_entries(values, num)
+        assert calls == [num <= engaged], (values, num)
+        finite = ~values.isnan().any(-1)
+        assert torch.equal(fast.values[finite], fixed.values[finite])
+        assert torch.equal(values.gather(1, fast.ids)[finite], fast.values[finite])
+        assert torch.equal(fast.content.gather(1, fast.positions)[finite], fast.values[finite])
+        assert torch.equal(fast.blocks, fixed.blocks)
 
 
 @pytest.mark.parametrize("vocab", [256, 512, 1000, 1024, 4096])

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 
 import fastsample as fs
-from fastsample.ops import small_top_k
+from fastsample.ops import select, small_top_k
 from fastsample.ops.validation import check_controls
 from reference import reference_probs, robust_top_p
 from stattests import LawCase, law_rejected
@@ -80,6 +80,68 @@ def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab, dtype, 
             assert torch.equal(getattr(fast, name), getattr(general, name)), (name, controls)
         assert not fast.valid[6:].any()  # the NaN and +inf rows
     assert checked == sum(k < vocab for k in (1, 7, 40, 300)) * 12 * 2
+
+
+@pytest.mark.parametrize(
+    ("vocab", "dtype"),
+    [
+        (300, "float32"),
+        (2999, "float32"),
+        (4096, "float32"),
+        (2999, "bfloat16"),
+        (20_000, "float16"),
+    ],
+)
+def test_host_shortcuts_draw_bitwise_what_the_general_path_draws(monkeypatch, vocab, dtype):
+    """CPU eager, continuous rows: the candidates come from the entries reaching the floor
+    (select._entries_reaching) and the block sums from the candidates alone
+    (_candidate_block_sums: no counting pass, tiles for blocks holding 3+ kept weights, the
+    short last block summed over its own entries). Both are invisible: every output is the
+    general path's, bit for bit, with Python and per-row tensor controls."""
+    seen = {"reaching": 0, "alone": 0, "crowded": 0, "crowded last": 0}
+    reaching, block_sums = select._entries_reaching, small_top_k._candidate_block_sums
+
+    def spy_reaching(*args):
+        found = reaching(*args)
+        seen["reaching"] += found is not None
+        return found
+
+    def spy_block_sums(found, kept, blocks, width):
+        seen["alone"] += 1
+        block_ids = found.blocks.gather(1, found.positions[:, : kept.shape[1]] // 256)
+        present = torch.zeros(kept.shape[0], blocks).scatter_add_(1, block_ids, (kept > 0).float())
+        crowded = present >= 3
+        seen["crowded"] += int(crowded.sum())
+        seen["crowded last"] += int(crowded[:, -1].sum()) if width % 256 else 0
+        return block_sums(found, kept, blocks, width)
+
+    monkeypatch.setattr(select, "_entries_reaching", spy_reaching)
+    monkeypatch.setattr(small_top_k, "_candidate_block_sums", spy_block_sums)
+    gen = torch.Generator().manual_seed(vocab)
+    scales = torch.tensor([3.0, 1.0, 0.3, 10.0] * 3)[:, None]
+    x = torch.randn(12, vocab, generator=gen) * scales
+    x[5, ::2] = -torch.inf  # masked, continuous elsewhere
+    x = x.to(getattr(torch, dtype))
+    rows = x.shape[0]
+    seeds = torch.arange(rows) * 7919 + vocab
+    per_row_k = torch.randint(1, 61, (rows,), generator=gen)
+    per_row_t = torch.rand(rows, generator=gen) + 0.3
+    configs = itertools.product(
+        (1, 7, 40, per_row_k), (None, 0.7, per_row_t), (None, 0.9), (None, 0.05), (1, 2)
+    )
+    for k, t, p, m, n in configs:
+        controls = dict(temperature=t, top_k=k, top_p=p, min_p=m, num_samples=n, top_logprobs=3)
+        fast, general = draw_both(monkeypatch, x, seed=seeds, step=11, **controls)
+        for name in ("token_ids", "probs", "logprobs", "valid", "top_token_ids", "top_logprobs"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), (name, controls)
+    if dtype != "float32":  # half-precision logits tie at the k-th weight: either path
+        return
+    assert seen["alone"] == 4 * 3 * 2 * 2 * 2  # no float32 call needed the counting pass
+    assert seen["crowded"] > 0
+    if vocab > 300:  # two blocks (V=300) hold too many entries above the floor
+        assert seen["reaching"] > 0
+    if vocab % 256:
+        assert seen["crowded last"] > 0
 
 
 def test_applies_only_to_what_it_reproduces():

@@ -75,6 +75,9 @@ _CHUNK_BYTES = 1 << 20
 _SORT_BELOW = 512
 _GROUP = 64  # buckets per group of the two-level suffix search
 _TOP_GROUP = 32  # entries per group in the second level of candidate_entries
+# _entries_reaching gives way to the two-level topk past this many reaching entries per
+# candidate (its table and small topk would cost more than the fixed-shape way).
+_REACHING_MAX = 4
 
 
 def _last_meeting(hist: Tensor, target: Tensor, above: Tensor) -> tuple[Tensor, Tensor]:
@@ -445,19 +448,33 @@ def largest_entries(
     return found.values, found.ids
 
 
-def candidate_entries(values: Tensor, num: int, maxima: Tensor | None = None) -> Candidates:
+def candidate_entries(
+    values: Tensor, num: int, maxima: Tensor | None = None, *, host: bool = False
+) -> Candidates:
     """:func:`largest_entries` with the candidate blocks and their entries.
 
     Every entry outside the candidate blocks is ``<=`` the ``num``-th largest: its block's
     maximum is at most every candidate block's maximum, so a larger entry there would make
     each of the ``num`` candidate blocks hold one too: ``num + 1`` entries above the
     ``num``-th largest.
+
+    ``host=True`` (CPU eager callers: data-dependent shapes and host reads are free there)
+    lets :func:`_entries_reaching` pick the ``num`` largest from the few entries that reach
+    the smallest candidate block maximum, instead of the fixed-shape two-level ``topk``.
     """
     if maxima is None:
         maxima = block_maxima(values)
     count = min(num, maxima.shape[1])
-    blocks = torch.topk(maxima, count, dim=1, sorted=False).indices  # any order will do
+    chosen_blocks = torch.topk(maxima, count, dim=1, sorted=False)  # any order will do
+    blocks = chosen_blocks.indices
     content = _block_content(values, blocks)
+    if host and count == num:
+        reaching = _entries_reaching(content, chosen_blocks.values, num)
+        if reaching is not None:
+            best_values, positions = reaching
+            ids = blocks.gather(1, positions // BLOCK) * BLOCK + positions % BLOCK
+            ids = ids.clamp_max_(values.shape[1] - 1)
+            return Candidates(best_values, ids, blocks, content, positions)
     # The same argument one level down: the num largest lie in the num groups of _TOP_GROUP
     # entries with the largest maxima, so the final topk reads num * 32 entries, not
     # num * 256 (torch.topk's cost grows with the row length; on CPU an amax over 32
@@ -477,6 +494,47 @@ def candidate_entries(values: Tensor, num: int, maxima: Tensor | None = None) ->
     # Position p of the content is entry p % BLOCK of candidate block p // BLOCK.
     ids = blocks.gather(1, positions // BLOCK) * BLOCK + positions % BLOCK
     return Candidates(best.values, ids.clamp_max_(values.shape[1] - 1), blocks, content, positions)
+
+
+def _entries_reaching(
+    content: Tensor, block_maxima_chosen: Tensor, num: int
+) -> tuple[Tensor, Tensor] | None:
+    """The ``num`` largest entries of ``content`` (``(B, num * BLOCK)``, the ``num`` candidate
+    blocks), largest first, and their positions in it; None where this way does not pay.
+
+    Each chosen block's maximum is an entry, so ``num`` entries reach the smallest of them
+    (the floor) and the ``num`` largest all do. For continuous logits only a few more reach
+    it: the groups of :data:`_TOP_GROUP` entries whose maximum reaches the floor are read,
+    their reaching entries gathered into a short ``(B, width)`` table (data-dependent shapes,
+    host reads) and one small ``topk`` orders them: on CPU ~3x cheaper than the fixed-shape
+    way's two ``topk`` calls over 400 and 1,600 entries a row. NaN maxima, or more than
+    :data:`_REACHING_MAX` reaching groups or entries per candidate (ties: integer logits,
+    masked rows whose floor is ``-inf``), return None.
+    """
+    floor = block_maxima_chosen.amin(-1, keepdim=True)
+    if bool(floor.isnan().any()):
+        return None
+    batch, length = content.shape
+    groups = content.view(batch * (length // _TOP_GROUP), _TOP_GROUP)
+    group_rows, group_ids = (groups.amax(-1).view(batch, -1) >= floor).nonzero(as_tuple=True)
+    if group_rows.shape[0] > _REACHING_MAX * num * batch:
+        return None
+    picked = groups.index_select(0, group_rows * (length // _TOP_GROUP) + group_ids)
+    which, inner = (picked >= floor[group_rows]).nonzero(as_tuple=True)
+    rows = group_rows[which]
+    columns = group_ids[which] * _TOP_GROUP + inner
+    per_row = torch.bincount(rows, minlength=batch)
+    width = int(per_row.max())
+    if width > _REACHING_MAX * num:
+        return None
+    start = per_row.cumsum(0).sub_(per_row)
+    slot = torch.arange(rows.shape[0], device=content.device).sub_(start[rows])
+    table = torch.full((batch, width), -torch.inf, dtype=content.dtype, device=content.device)
+    where = torch.zeros((batch, width), dtype=torch.int64, device=content.device)
+    table[rows, slot] = picked[which, inner]
+    where[rows, slot] = columns
+    best = torch.topk(table, num, dim=1)
+    return best.values, where.gather(1, best.indices)
 
 
 def _block_content(values: Tensor, blocks: Tensor) -> Tensor:

@@ -27,11 +27,19 @@ at ``T = 1`` and replaced by the caller, as there). ``top_k`` may be a ``(B,)`` 
 where its values can be read without a device sync (a CPU tensor outside ``torch.compile``
 and tracing): the candidates are then the ``max(k)`` largest and each row is cut at its own
 ``k`` (see :func:`candidate_count`; a row with top-k off sends the batch to the general path).
-On CPU in eager mode the counting pass of step 3 only reads the blocks whose maximum reaches
-``x_low`` (a data-dependent selection, which costs nothing there): for continuous logits
-those are the candidate blocks alone, so the pass over the whole row disappears. On CUDA and
-under ``torch.compile`` the fixed-shape pass over every block stays (no sync, no
-data-dependent shape).
+On CPU in eager mode, where data-dependent shapes and host reads cost nothing, three
+shortcuts apply; on CUDA and under ``torch.compile`` the fixed-shape steps stay (no sync):
+
+* step 1 picks the ``k`` largest from the few candidate-block entries that reach the
+  smallest candidate block maximum (:func:`fastsample.select.candidate_entries` with
+  ``host=True``), not by ``topk`` over 400 group maxima and 1,600 entries a row;
+* one candidate more than ``k`` is taken: when the ``k + 1``-th largest logit of every row
+  lies below ``x_low`` (:func:`_only_candidates_reach`; continuous logits almost always),
+  no entry outside the candidates can be kept, so step 3 disappears and step 4 adds the
+  candidates' kept weights into their blocks (:func:`_candidate_block_sums`: bitwise the
+  general path's sums, a block holding three or more summed from a tile as that path does);
+* otherwise step 3 reads only the blocks whose maximum reaches ``x_low`` (for continuous
+  logits, the candidate blocks alone), not the whole row.
 
 Every number is computed by the same float operations as the general path
 (:func:`fastsample.controls.processed_weights`, then
@@ -181,31 +189,38 @@ def _draw_from_maxima(
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         return logit_weights_divided_(out, x, shift, divisor)
 
-    found = candidate_entries(logits, count, maxima)
-    candidates = torch.where(found.values > -math.inf, weigh(found.values), 0.0)
+    # On CPU in eager mode one more candidate (the row's count+1-th largest) tells whether
+    # every entry >= x_low is a candidate (see _only_candidates_reach).
+    readable = host_readable(logits)
+    found = candidate_entries(logits, count + 1 if readable else count, maxima, host=readable)
+    values, positions = found.values[:, :count], found.positions[:, :count]
+    candidates = torch.where(values > -math.inf, weigh(values), 0.0)
     if isinstance(controls.top_k, Tensor):  # each row's own k-th largest (sorted candidates)
         kth = controls.top_k.clamp(1, count).sub_(1).to(torch.int64)[:, None]
         cut_k = candidates.gather(1, kth).squeeze(1)
-        x_k = found.values.gather(1, kth).squeeze(1)
+        x_k = values.gather(1, kth).squeeze(1)
     else:
-        cut_k, x_k = candidates[:, -1], found.values[:, -1]
+        cut_k, x_k = candidates[:, -1], values[:, -1]
     x_low = _lowest_logit_reaching(weigh, x_k.float(), cut_k)
-    # 0/1 where a candidate block's entry is >= x_low: its count, and its kept weights below.
-    hits = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
-    torch.ge(found.content, x_low[:, None], out=hits)
-    if host_readable(logits):
-        counts = _count_selected(logits, x_low, maxima, found, hits, finite & (cut_k > 0))
+    alone = readable and _only_candidates_reach(found, count, x_low)
+    if alone:  # count(x >= x_low) from the candidates
+        reaching = (values >= x_low[:, None]).sum(-1, dtype=torch.float64)
     else:
-        counts = _count_at_least(logits, x_low)  # (B, blocks) float32
+        # 0/1 where a candidate block's entry is >= x_low: its count, and its kept weights.
+        hits = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
+        torch.ge(found.content, x_low[:, None], out=hits)
+        if readable:
+            counts = _count_selected(logits, x_low, maxima, found, hits, finite & (cut_k > 0))
+        else:
+            counts = _count_at_least(logits, x_low)  # (B, blocks) float32
+        reaching = counts.sum(-1, dtype=torch.float64)
 
     # Entries above cut_k are all candidates; the rest of count(x >= x_low) are ties at it.
     strictly_above = torch.where(candidates > cut_k[:, None], candidates, 0.0)
     cut = cut_k
     if controls.top_p is not None:
-        ties = counts.sum(-1, dtype=torch.float64) - (strictly_above > 0).sum(-1)
-        cut = torch.maximum(
-            cut, top_p_cut_from_candidates(candidates, cut_k, controls.top_p, ties)
-        )
+        ties = reaching - (strictly_above > 0).sum(-1)
+        cut = torch.maximum(cut, top_p_cut_from_candidates(candidates, cut_k, controls.top_p, ties))
     if controls.min_p is not None:
         f64 = torch.zeros(batch, dtype=torch.float64, device=logits.device)
         cut = torch.maximum(cut, as_rows(controls.min_p, batch, f64).to(cut.dtype))
@@ -220,20 +235,23 @@ def _draw_from_maxima(
             w = torch.where(columns < vocab, w, 0.0)
         return keep(w)
 
-    # Block sums of the kept weights. Besides the k largest, only ties at cut_k can be kept
-    # (entries >= x_low), each scaled to exactly 1 when the final cut is cut_k itself (and
-    # above the floor), else cut. So the candidate blocks' kept weights are that tie weight
-    # where x >= x_low, with the k largest written over it: no exp over the blocks.
-    tie_weight = ((cut == cut_k) & (cut_k >= CUT_FLOOR[torch.float32])).to(torch.float32)
-    kept = hits.mul_(tie_weight[:, None])
-    kept = kept.scatter_(1, found.positions, keep(candidates.clone()))
-    kept = kept.view(batch, found.content.shape[1] // BLOCK, BLOCK)
-    candidate_sums = kept.sum(-1)
-    last, tail = divmod(width, BLOCK)
-    if tail:  # a short last block is summed over its own entries only, as block_sums does
-        short = kept[:, :, :tail].sum(-1)
-        candidate_sums = torch.where(found.blocks == last, short, candidate_sums)
-    table = (counts * tie_weight[:, None]).scatter_(1, found.blocks, candidate_sums)
+    kept_candidates = keep(candidates.clone())
+    if alone:
+        table = _candidate_block_sums(found, kept_candidates, maxima.shape[1], width)
+    else:
+        # Besides the k largest, only ties at cut_k can be kept (entries >= x_low), each
+        # scaled to exactly 1 when the final cut is cut_k itself (and above the floor), else
+        # cut. So the candidate blocks' kept weights are that tie weight where x >= x_low,
+        # with the k largest written over it: no exp over the blocks.
+        tie_weight = ((cut == cut_k) & (cut_k >= CUT_FLOOR[torch.float32])).to(torch.float32)
+        kept = hits.mul_(tie_weight[:, None]).scatter_(1, positions, kept_candidates)
+        kept = kept.view(batch, found.content.shape[1] // BLOCK, BLOCK)
+        candidate_sums = kept.sum(-1)
+        last, tail = divmod(width, BLOCK)
+        if tail:  # a short last block is summed over its own entries only, as block_sums does
+            short = kept[:, :, :tail].sum(-1)
+            candidate_sums = torch.where(found.blocks == last, short, candidate_sums)
+        table = (counts * tie_weight[:, None]).scatter_(1, found.blocks, candidate_sums)
     sums = table.to(torch.float64)
 
     shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
@@ -273,6 +291,51 @@ def _lowest_logit_reaching(weigh: Callable[[Tensor], Tensor], x_k: Tensor, cut_k
             lo, hi = table.gather(1, below), table.gather(1, below.add_(1))
         low = order_key(hi).to(torch.int32).view(torch.float32).squeeze(1)
     return low.clone()  # an ordinary tensor again
+
+
+def _only_candidates_reach(found: Candidates, count: int, x_low: Tensor) -> bool:
+    """Whether every entry ``>= x_low`` of every row is among its ``count`` candidates: the
+    row's ``count + 1``-th largest entry (``found`` holds ``count + 1``) lies below
+    ``x_low``. One host read (CPU eager). Continuous logits almost always pass; ties at the
+    k-th weight (integer or half-precision logits, weights equal after rounding) and NaN
+    rows do not, and take the counting pass."""
+    return bool((found.values[:, count] < x_low).all())
+
+
+def _candidate_block_sums(found: Candidates, kept: Tensor, blocks: int, width: int) -> Tensor:
+    """``(B, blocks)`` float32 block sums of the kept weights when the candidates are the
+    only entries that can be kept (:func:`_only_candidates_reach`); ``kept`` is ``(B, count)``,
+    the candidates' kept weights. Bitwise the general path's block sums (CPU eager).
+
+    A sum of at most two nonzero weights (among zeros) rounds once whatever the order, so
+    most blocks are the candidates' weights added into a zero table. A block holding three
+    or more (a few per batch at k=50, V=128k) is summed as the general path sums it: its
+    ``BLOCK`` weights laid out in place, zeros elsewhere, one ``sum`` over the tile.
+    """
+    batch, count = kept.shape
+    positions = found.positions[:, :count]
+    # Position p of the content is entry p % BLOCK of candidate block p // BLOCK (the real
+    # block: unlike found.ids, never clamped, so padding past the vocabulary stays apart).
+    block_ids = found.blocks.gather(1, positions // BLOCK)
+    zeros = torch.zeros(batch, blocks, dtype=torch.float32, device=kept.device)
+    table = zeros.clone().scatter_add_(1, block_ids, kept)
+    present = (kept > 0).to(torch.float32)
+    crowded = zeros.scatter_add_(1, block_ids, present) >= 3
+    rows, crowded_blocks = crowded.nonzero(as_tuple=True)
+    if rows.shape[0] == 0:
+        return table
+    tile_of = torch.full((batch, blocks), -1, dtype=torch.int64, device=kept.device)
+    tile_of[rows, crowded_blocks] = torch.arange(rows.shape[0], device=kept.device)
+    tile = tile_of.gather(1, block_ids)
+    members = (tile >= 0) & (kept > 0)
+    tiles = torch.zeros(rows.shape[0], BLOCK, dtype=torch.float32, device=kept.device)
+    tiles[tile[members], positions[members] % BLOCK] = kept[members]
+    tile_sums = tiles.sum(-1)
+    last, tail = divmod(width, BLOCK)
+    if tail:  # a short last block is summed over its own entries only, as block_sums does
+        tile_sums = torch.where(crowded_blocks == last, tiles[:, :tail].sum(-1), tile_sums)
+    table[rows, crowded_blocks] = tile_sums
+    return table
 
 
 def _count_at_least(logits: Tensor, x_low: Tensor) -> Tensor:
