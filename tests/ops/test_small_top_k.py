@@ -246,7 +246,8 @@ def _only_candidates(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros(logits.shape[0], blocks)
 
 
-def test_lowest_logit_reaching_is_the_exact_boundary():
+@pytest.mark.parametrize("host", [False, True])  # True: x_k itself tried first (CPU eager)
+def test_lowest_logit_reaching_is_the_exact_boundary(host):
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(64, 40, generator=gen)
     for temperature in (0.05, 1.0, 1e4):
@@ -257,7 +258,7 @@ def test_lowest_logit_reaching_is_the_exact_boundary():
 
         x_k = x[:, 7]
         cut = weigh(x)[:, 7]
-        low = small_top_k._lowest_logit_reaching(weigh, x_k, cut)
+        low = small_top_k._lowest_logit_reaching(weigh, x_k, cut, host=host)
         below = torch.nextafter(low, torch.tensor(-torch.inf))
         positive = cut > 0  # a zero cut has no boundary (every weight reaches it)
         assert positive.sum() > 10
@@ -306,6 +307,12 @@ def test_the_search_resolves_any_float32_boundary():
     want[3] = -0.0  # -0.0 == 0.0: the first key reaching the step is -0.0 for both
     want[4] = -0.0
     assert torch.equal(low.view(torch.int32), want.view(torch.int32))
+    # host=True: from x_k = +inf the float below still reaches, so the search runs; from the
+    # edges themselves the float below falls short, so x_k is the answer (equal in value:
+    # -0.0 == 0.0 in every comparison x_low is used in).
+    ones = torch.ones_like(edges)
+    assert torch.equal(small_top_k._lowest_logit_reaching(step, top, ones, host=True), low)
+    assert torch.equal(small_top_k._lowest_logit_reaching(step, edges, ones, host=True), want)
 
 
 # ----------------------------------------------------------------------------- the registry

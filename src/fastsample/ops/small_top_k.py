@@ -201,7 +201,7 @@ def _draw_from_maxima(
         x_k = values.gather(1, kth).squeeze(1)
     else:
         cut_k, x_k = candidates[:, -1], values[:, -1]
-    x_low = _lowest_logit_reaching(weigh, x_k.float(), cut_k)
+    x_low = _lowest_logit_reaching(weigh, x_k.float(), cut_k, host=readable)
     alone = readable and _only_candidates_reach(found, count, x_low)
     if alone:  # count(x >= x_low) from the candidates
         reaching = (values >= x_low[:, None]).sum(-1, dtype=torch.float64)
@@ -271,13 +271,24 @@ def _draw_from_maxima(
     return Drawn(token_ids, genuine, total, valid, read, maxima, greedy, greedy_ids)
 
 
-def _lowest_logit_reaching(weigh: Callable[[Tensor], Tensor], x_k: Tensor, cut_k: Tensor) -> Tensor:
+def _lowest_logit_reaching(
+    weigh: Callable[[Tensor], Tensor], x_k: Tensor, cut_k: Tensor, host: bool = False
+) -> Tensor:
     """``(B,)`` smallest float32 ``x`` with ``weigh(x) >= cut_k``; ``weigh(x_k) == cut_k``.
 
     A 32-way search over ordered keys between ``-inf`` (weight 0, below any positive cut)
     and ``x_k``: 31 probes a round, the interval shrinks 32x, 7 rounds cover all keys.
     Rows with ``cut_k == 0`` or NaN get an arbitrary value (their ties weigh nothing).
+
+    ``host=True`` (CPU eager) first tries ``x_k`` itself, with one host read: where the
+    float32 just below ``x_k`` weighs less than ``cut_k`` in every row, ``x_k`` is the answer
+    (the weight is monotone). Distinct float32 logits keep distinct weights unless ``T`` is
+    large, so the ~120 small ops of the search are skipped in most calls.
     """
+    if host:
+        below = torch.nextafter(x_k, torch.full_like(x_k, -math.inf))
+        if bool((weigh(below[:, None]).squeeze(1) < cut_k).all()):
+            return x_k.clone()
     with _small_op_mode():  # ~120 ops on (B, 33) tensors: per-op overhead is the cost
         hi = order_key(x_k.view(torch.int32).to(torch.int64))[:, None]
         lo = torch.full_like(hi, _NEG_INF_KEY)
