@@ -134,13 +134,15 @@ def test_host_shortcuts_draw_bitwise_what_the_general_path_draws(monkeypatch, vo
         fast, general = draw_both(monkeypatch, x, seed=seeds, step=11, **controls)
         for name in ("token_ids", "probs", "logprobs", "valid", "top_token_ids", "top_logprobs"):
             assert torch.equal(getattr(fast, name), getattr(general, name)), (name, controls)
-    if dtype != "float32":  # half-precision logits tie at the k-th weight: either path
-        return
-    assert seen["alone"] == 4 * 3 * 2 * 2 * 2  # no float32 call needed the counting pass
+    # No call needed the counting pass: half-precision logits tie at the k-th weight, and the
+    # spare candidates (small_top_k._TIE_SPARES) hold those ties.
+    assert seen["alone"] == 4 * 3 * 2 * 2 * 2
     assert seen["crowded"] > 0
-    if vocab > 300:  # two blocks (V=300) hold too many entries above the floor
+    # Two blocks (V=300) hold too many entries above the floor; bfloat16 at V=2999 has its
+    # spare candidates, more than its 12 blocks: the fixed-shape selection serves those.
+    if vocab > 300 and dtype != "bfloat16":
         assert seen["reaching"] > 0
-    if vocab % 256:
+    if vocab % 256 and vocab < 4096:  # a short last block among few blocks
         assert seen["crowded last"] > 0
 
 

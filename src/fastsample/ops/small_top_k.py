@@ -33,11 +33,12 @@ shortcuts apply; on CUDA and under ``torch.compile`` the fixed-shape steps stay 
 * step 1 picks the ``k`` largest from the few candidate-block entries that reach the
   smallest candidate block maximum (:func:`fastsample.select.candidate_entries` with
   ``host=True``), not by ``topk`` over 400 group maxima and 1,600 entries a row;
-* one candidate more than ``k`` is taken: when the ``k + 1``-th largest logit of every row
-  lies below ``x_low`` (:func:`_only_candidates_reach`; continuous logits almost always),
-  no entry outside the candidates can be kept, so step 3 disappears and step 4 adds the
-  candidates' kept weights into their blocks (:func:`_candidate_block_sums`: bitwise the
-  general path's sums, a block holding three or more summed from a tile as that path does);
+* a few candidates more than ``k`` are taken (spares for ties at the k-th logit, for the
+  half types, then one more): when the last of them lies below ``x_low`` in every row
+  (:func:`_only_candidates_reach`; continuous logits almost always), no entry outside the
+  candidates can be kept, so step 3 disappears and step 4 adds the candidates' kept weights
+  into their blocks (:func:`_candidate_block_sums`: bitwise the general path's sums, a
+  block holding three or more summed from a tile as that path does);
 * otherwise step 3 reads only the blocks whose maximum reaches ``x_low`` (for continuous
   logits, the candidate blocks alone), not the whole row.
 
@@ -93,6 +94,13 @@ _SEARCH_ROUNDS = 7
 # (cache-sized pieces) is cheaper (integer logits, say, tie in every block).
 _SELECTIVE_MAX_SHARE = 0.125
 
+
+# Candidates taken beyond k on CPU (eager) for ties at the k-th logit, per dtype: so that the
+# candidates alone hold every entry >= x_low (:func:`_only_candidates_reach`). float32
+# logits from a model rarely tie; bfloat16 ones do: at B=256, V=128,256, k=50, 1-2 entries
+# past the k-th equal it on average, at most 8 (randn x 1, 3 or 10). A spare costs ~1/k of
+# the candidate selection.
+_TIE_SPARES = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 16}
 
 # Logits the path serves: float32 and the half types, whose weights the general path
 # computes in float32 as well (float64 logits give float64 weights: the general path).
@@ -189,12 +197,15 @@ def _draw_from_maxima(
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         return logit_weights_divided_(out, x, shift, divisor)
 
-    # On CPU in eager mode one more candidate (the row's count+1-th largest) tells whether
-    # every entry >= x_low is a candidate (see _only_candidates_reach).
+    # On CPU in eager mode a few more candidates (spares for ties at the k-th weight, then
+    # one more) tell whether every entry >= x_low is a candidate (_only_candidates_reach).
     readable = host_readable(logits)
-    found = candidate_entries(logits, count + 1 if readable else count, maxima, host=readable)
+    spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1) if readable else 0
+    wide = count + spare  # the candidates that can be kept when they alone reach x_low
+    found = candidate_entries(logits, wide + 1 if readable else count, maxima, host=readable)
     values, positions = found.values[:, :count], found.positions[:, :count]
-    candidates = torch.where(values > -math.inf, weigh(values), 0.0)
+    wide_weights = torch.where(found.values > -math.inf, weigh(found.values), 0.0)[:, :wide]
+    candidates = wide_weights[:, :count]
     if isinstance(controls.top_k, Tensor):  # each row's own k-th largest (sorted candidates)
         kth = controls.top_k.clamp(1, count).sub_(1).to(torch.int64)[:, None]
         cut_k = candidates.gather(1, kth).squeeze(1)
@@ -202,9 +213,9 @@ def _draw_from_maxima(
     else:
         cut_k, x_k = candidates[:, -1], values[:, -1]
     x_low = _lowest_logit_reaching(weigh, x_k.float(), cut_k, host=readable)
-    alone = readable and _only_candidates_reach(found, count, x_low)
+    alone = readable and _only_candidates_reach(found, wide, x_low)
     if alone:  # count(x >= x_low) from the candidates
-        reaching = (values >= x_low[:, None]).sum(-1, dtype=torch.float64)
+        reaching = (found.values[:, :wide] >= x_low[:, None]).sum(-1, dtype=torch.float64)
     else:
         # 0/1 where a candidate block's entry is >= x_low: its count, and its kept weights.
         hits = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
@@ -235,15 +246,15 @@ def _draw_from_maxima(
             w = torch.where(columns < vocab, w, 0.0)
         return keep(w)
 
-    kept_candidates = keep(candidates.clone())
-    if alone:
-        table = _candidate_block_sums(found, kept_candidates, maxima.shape[1], width)
+    if alone:  # the kept weight of each of the wide candidates, as the general path keeps it
+        table = _candidate_block_sums(found, keep(wide_weights.clone()), maxima.shape[1], width)
     else:
         # Besides the k largest, only ties at cut_k can be kept (entries >= x_low), each
         # scaled to exactly 1 when the final cut is cut_k itself (and above the floor), else
         # cut. So the candidate blocks' kept weights are that tie weight where x >= x_low,
         # with the k largest written over it: no exp over the blocks.
         tie_weight = ((cut == cut_k) & (cut_k >= CUT_FLOOR[torch.float32])).to(torch.float32)
+        kept_candidates = keep(candidates.clone())
         kept = hits.mul_(tie_weight[:, None]).scatter_(1, positions, kept_candidates)
         kept = kept.view(batch, found.content.shape[1] // BLOCK, BLOCK)
         candidate_sums = kept.sum(-1)
@@ -304,19 +315,19 @@ def _lowest_logit_reaching(
     return low.clone()  # an ordinary tensor again
 
 
-def _only_candidates_reach(found: Candidates, count: int, x_low: Tensor) -> bool:
-    """Whether every entry ``>= x_low`` of every row is among its ``count`` candidates: the
-    row's ``count + 1``-th largest entry (``found`` holds ``count + 1``) lies below
-    ``x_low``. One host read (CPU eager). Continuous logits almost always pass; ties at the
-    k-th weight (integer or half-precision logits, weights equal after rounding) and NaN
-    rows do not, and take the counting pass."""
-    return bool((found.values[:, count] < x_low).all())
+def _only_candidates_reach(found: Candidates, wide: int, x_low: Tensor) -> bool:
+    """Whether every entry ``>= x_low`` of every row is among its ``wide`` largest: the
+    row's ``wide + 1``-th largest entry (``found`` holds ``wide + 1``) lies below ``x_low``.
+    One host read (CPU eager). Continuous float32 logits almost always pass, and half-precision
+    ones with their spares (:data:`_TIE_SPARES`); many ties at the k-th weight (integer
+    logits, weights equal after rounding) and NaN rows do not, and take the counting pass."""
+    return bool((found.values[:, wide] < x_low).all())
 
 
 def _candidate_block_sums(found: Candidates, kept: Tensor, blocks: int, width: int) -> Tensor:
     """``(B, blocks)`` float32 block sums of the kept weights when the candidates are the
-    only entries that can be kept (:func:`_only_candidates_reach`); ``kept`` is ``(B, count)``,
-    the candidates' kept weights. Bitwise the general path's block sums (CPU eager).
+    only entries that can be kept (:func:`_only_candidates_reach`); ``kept`` is ``(B, c)``,
+    the first c candidates' kept weights. Bitwise the general path's block sums (CPU eager).
 
     A sum of at most two nonzero weights (among zeros) rounds once whatever the order, so
     most blocks are the candidates' weights added into a zero table. A block holding three
