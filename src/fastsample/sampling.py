@@ -25,7 +25,7 @@ from .ops.race import race_draw, repeat_last_genuine
 from .ops.seeds import check_stream_values, make_source, stream_ok
 from .ops.select import block_maxima, first_in_block, top_entries
 from .ops.validation import check_controls, check_source
-from .ops.weights import probs_total_fits
+from .ops.weights import controls_in_range, probs_total_fits
 
 
 class SampleOutput(NamedTuple):
@@ -413,6 +413,10 @@ def sample(
 
     if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
         return _flag_rows(_all_greedy(source_tensor, logits is not None, num_samples), ok)
+    if num_top == 0 and _greedy_everywhere(controls):  # the same, from a tensor of zeros
+        rows_ok = controls_in_range(controls, batch, source_tensor.device)
+        out = _all_greedy(source_tensor, logits is not None, num_samples, rows_ok)
+        return _flag_rows(out, ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
         got = small_top_k.draw(logits, controls, num_samples, source)
@@ -477,9 +481,26 @@ def sample(
     return _flag_rows(out, ok)
 
 
-def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutput:
+def _greedy_everywhere(controls: v.Controls) -> bool:
+    """Whether a tensor temperature holds zeros only, read where that is free (a CPU tensor
+    in eager mode, :func:`~fastsample.ops.small_top_k.host_readable`): every row is greedy,
+    and the call is served as with a Python 0 (one blocked max pass, no weights). Elsewhere
+    (CUDA, ``torch.compile``) such rows take the general path: no sync."""
+    t = controls.temperature
+    return (
+        isinstance(t, Tensor)
+        and t.numel() > 0
+        and small_top_k.host_readable(t)
+        and bool((t == 0).all())
+    )
+
+
+def _all_greedy(
+    source: Tensor, is_logits: bool, num_samples: int, rows_ok: Tensor | None = None
+) -> SampleOutput:
     """``temperature=0`` for every row: the first maximal index (or the ``n`` largest),
-    probability 1, from block maxima alone (plus the minimum for probabilities)."""
+    probability 1, from block maxima alone (plus the minimum for probabilities).
+    ``rows_ok`` (``(B,)`` bool, tensor controls in range) flags the other rows invalid."""
     maxima = block_maxima(source)
     # The row maximum and the first block holding it (torch.max returns the first index).
     best, block = maxima.max(-1, keepdim=True)
@@ -487,6 +508,8 @@ def _all_greedy(source: Tensor, is_logits: bool, num_samples: int) -> SampleOutp
         valid = best.isfinite()  # (B, 1); NaN, +inf and an all -inf row are not
     else:
         valid = (source.amin(-1, keepdim=True) >= 0) & (best > 0) & (best < math.inf)
+    if rows_ok is not None:
+        valid = valid & rows_ok[:, None]
     out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
     if num_samples == 1:  # every draw genuine: fewer small ops on the per-token path
         ids = first_in_block(source, block)[:, None]

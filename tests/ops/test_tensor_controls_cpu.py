@@ -12,12 +12,14 @@ are the full pass's. Short rows (``V = 8``) cost memory and ops linear in the in
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastsample as fs
+import fastsample.sampling
 from fastsample.ops import small_top_k
 from fastsample.ops.validation import check_controls
 from fastsample.tools.bench.harness import _cpu_extra_bytes
@@ -126,6 +128,48 @@ def test_bad_tensor_values_flag_their_row_only(name, bad):
     others = torch.tensor([0, 1, 2, 4, 5])
     for field in FIELDS:
         assert torch.equal(getattr(out, field)[others], getattr(clean, field)[others]), field
+
+
+@pytest.mark.parametrize("source", ["logits", "probs"])
+def test_a_tensor_of_zero_temperatures_is_served_as_python_greedy(monkeypatch, source):
+    """Every row greedy by a CPU tensor of zeros: one blocked max pass as for ``temperature=0``
+    (sampling._greedy_everywhere), with the general path's outputs bit for bit, bad rows and
+    out-of-range (or NaN) tensor controls included; top_logprobs still takes the general path."""
+    taken = []
+    greedy_everywhere = fastsample.sampling._greedy_everywhere
+
+    def spy(controls):
+        taken.append(greedy_everywhere(controls))
+        return taken[-1]
+
+    monkeypatch.setattr(fastsample.sampling, "_greedy_everywhere", spy)
+    x = row_kinds(1000, seed=5)
+    data = {"logits": x} if source == "logits" else {"probs": torch.softmax(x, -1)}
+    if source == "probs":
+        data["probs"][2, 7] = -0.25  # a negative probability: invalid
+    zeros = torch.zeros(8)
+    others = (
+        {},
+        {"top_k": torch.tensor([5, -1, 3, 0, 2, 1, 1, 1])},  # -1: out of range
+        {
+            "top_p": torch.tensor([0.9, 1.5] + [1.0] * 6),
+            "min_p": torch.tensor([0.1] * 7 + [math.nan]),
+        },
+    )
+    for extra, n in itertools.product(others, (1, 2)):
+        kwargs = dict(data, temperature=zeros, num_samples=n, **extra)
+        taken.clear()
+        fast = fs.sample(**kwargs)
+        assert taken == [True]
+        with monkeypatch.context() as patch:
+            patch.setattr(fastsample.sampling, "_greedy_everywhere", lambda controls: False)
+            want = fs.sample(**kwargs)
+        assert_same(fast, want, (extra, n))
+        assert fast.valid.sum() >= 3
+    taken.clear()
+    fs.sample(**data, temperature=torch.tensor([0.0] * 7 + [0.5]))  # one sampled row
+    fs.sample(**data, temperature=zeros, top_logprobs=2)
+    assert taken == [False]  # top_logprobs does not ask
 
 
 def test_a_row_with_top_k_off_changes_no_other_row():
