@@ -411,10 +411,11 @@ def sample(
         return SampleOutput(*fields)
     ok = stream_ok(source)  # (B,) bool for a tensor stream, else None
 
-    if controls.all_greedy and num_top == 0:  # no weights needed: one blocked max pass
-        return _flag_rows(_all_greedy(source_tensor, logits is not None, num_samples), ok)
-    if num_top == 0 and _greedy_everywhere(controls):  # the same, from a tensor of zeros
-        rows_ok = controls_in_range(controls, batch, source_tensor.device)
+    # No weights needed: one blocked max pass (a Python 0, or a tensor of zeros read on CPU).
+    if num_top == 0 and (controls.all_greedy or _greedy_everywhere(controls)):
+        rows_ok = None  # a tensor of zeros: its rows' tensor controls must be in range
+        if isinstance(controls.temperature, Tensor):
+            rows_ok = controls_in_range(controls, batch, source_tensor.device)
         out = _all_greedy(source_tensor, logits is not None, num_samples, rows_ok)
         return _flag_rows(out, ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count

@@ -203,8 +203,9 @@ def _draw_from_maxima(
     spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1) if readable else 0
     wide = count + spare  # the candidates that can be kept when they alone reach x_low
     found = candidate_entries(logits, wide + 1 if readable else count, maxima, host=readable)
-    values, positions = found.values[:, :count], found.positions[:, :count]
-    wide_weights = torch.where(found.values > -math.inf, weigh(found.values), 0.0)[:, :wide]
+    wide_values = found.values[:, :wide]
+    values, positions = wide_values[:, :count], found.positions[:, :count]
+    wide_weights = torch.where(wide_values > -math.inf, weigh(wide_values), 0.0)
     candidates = wide_weights[:, :count]
     if isinstance(controls.top_k, Tensor):  # each row's own k-th largest (sorted candidates)
         kth = controls.top_k.clamp(1, count).sub_(1).to(torch.int64)[:, None]
@@ -215,7 +216,7 @@ def _draw_from_maxima(
     x_low = _lowest_logit_reaching(weigh, x_k.float(), cut_k, host=readable)
     alone = readable and _only_candidates_reach(found, wide, x_low)
     if alone:  # count(x >= x_low) from the candidates
-        reaching = (found.values[:, :wide] >= x_low[:, None]).sum(-1, dtype=torch.float64)
+        reaching = (wide_values >= x_low[:, None]).sum(-1, dtype=torch.float64)
     else:
         # 0/1 where a candidate block's entry is >= x_low: its count, and its kept weights.
         hits = torch.empty(found.content.shape, dtype=torch.float32, device=logits.device)
@@ -257,11 +258,7 @@ def _draw_from_maxima(
         kept_candidates = keep(candidates.clone())
         kept = hits.mul_(tie_weight[:, None]).scatter_(1, positions, kept_candidates)
         kept = kept.view(batch, found.content.shape[1] // BLOCK, BLOCK)
-        candidate_sums = kept.sum(-1)
-        last, tail = divmod(width, BLOCK)
-        if tail:  # a short last block is summed over its own entries only, as block_sums does
-            short = kept[:, :, :tail].sum(-1)
-            candidate_sums = torch.where(found.blocks == last, short, candidate_sums)
+        candidate_sums = _tile_sums(kept, found.blocks, width)
         table = (counts * tie_weight[:, None]).scatter_(1, found.blocks, candidate_sums)
     sums = table.to(torch.float64)
 
@@ -352,12 +349,19 @@ def _candidate_block_sums(found: Candidates, kept: Tensor, blocks: int, width: i
     members = (tile >= 0) & (kept > 0)
     tiles = torch.zeros(rows.shape[0], BLOCK, dtype=torch.float32, device=kept.device)
     tiles[tile[members], positions[members] % BLOCK] = kept[members]
-    tile_sums = tiles.sum(-1)
-    last, tail = divmod(width, BLOCK)
-    if tail:  # a short last block is summed over its own entries only, as block_sums does
-        tile_sums = torch.where(crowded_blocks == last, tiles[:, :tail].sum(-1), tile_sums)
-    table[rows, crowded_blocks] = tile_sums
+    table[rows, crowded_blocks] = _tile_sums(tiles, crowded_blocks, width)
     return table
+
+
+def _tile_sums(tiles: Tensor, blocks: Tensor, width: int) -> Tensor:
+    """Sums of ``tiles`` (``(..., BLOCK)``, the kept weights of the ``blocks`` of a ``width``
+    -wide buffer) as :func:`~fastsample.ops.inverse_cdf.block_sums` sums those blocks: a short
+    last block over its own entries only (another reduction order than over ``BLOCK``)."""
+    sums = tiles.sum(-1)
+    last, tail = divmod(width, BLOCK)
+    if tail:
+        sums = torch.where(blocks == last, tiles[..., :tail].sum(-1), sums)
+    return sums
 
 
 def _count_at_least(logits: Tensor, x_low: Tensor) -> Tensor:
