@@ -392,18 +392,13 @@ def test_compiled_fullgraph_traces_the_kernels(backend):
 
 
 _COMPILE = textwrap.dedent("""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from compiled_mode import compile_sm90
     import fastsample.kernels.controls as kc
     import fastsample.kernels.greedy as kg
     import fastsample.kernels.select as ks
 
     def build(fn, signature, constexprs):
-        signature = {**signature, **{name: "constexpr" for name in constexprs}}
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        compile_sm90(fn, constexprs, signature.__getitem__)
 
     pointers = dict(t_ptr="*fp32", k_ptr="*i64", p_ptr="*fp32", m_ptr="*fp32", stream_ptr="*i64",
                     top_ids_ptr="*i64", top_logp_ptr="*fp32")

@@ -278,10 +278,7 @@ def test_compiled_fullgraph_traces_the_kernels(backend):
 
 
 _COMPILE = textwrap.dedent("""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from compiled_mode import compile_sm90
     from fastsample.kernels import greedy
 
     POINTERS = dict(
@@ -294,13 +291,9 @@ _COMPILE = textwrap.dedent("""
     kernel = greedy._draws_kernel
     for mode in (greedy.SOME, greedy.SCAN):
         constants = dict(SIZES, MODE=mode)
-        signature = {
-            name: "constexpr" if name in constants
-            else POINTERS.get(name, "i64" if "stride" in name else "i32")
-            for name in kernel.arg_names
-        }
-        source = ASTSource(kernel, signature, constexprs=constants)
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        compile_sm90(
+            kernel, constants, lambda name: POINTERS.get(name, "i64" if "stride" in name else "i32")
+        )
         print("compiled", mode)
 
     # The GPU registration (triton_op around a wrap_triton launch) traces under fake tensors.

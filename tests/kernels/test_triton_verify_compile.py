@@ -20,38 +20,29 @@ SCRIPT = textwrap.dedent(
     """
     import os
     os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from compiled_mode import compile_sm90
     from fastsample.kernels import verify_chain as kc, verify_tree as kt
 
     POINTERS = {"p_ptr": "*fp32", "q_ptr": "*fp32", "ua_ptr": "*fp64", "ur_ptr": "*fp64",
                 "ub_ptr": "*fp64", "scratch_ptr": "*fp64", "valid_ptr": "*i1"}
     INTS = {"temperature_bits": "i64", "min_p_bits": "i64"}
 
-    def signature(fn, constants):
-        def kind(name):
-            if name in constants:
-                return "constexpr"
-            if name.endswith("_ptr"):
-                return POINTERS.get(name, "*i64")
-            if name in INTS:
-                return INTS[name]
-            return "i64" if name.endswith(("sb", "sk", "sv", "sn")) else "i32"
-        return {name: kind(name) for name in fn.arg_names}
+    def kind(name):
+        if name.endswith("_ptr"):
+            return POINTERS.get(name, "*i64")
+        if name in INTS:
+            return INTS[name]
+        return "i64" if name.endswith(("sb", "sk", "sv", "sn")) else "i32"
 
-    target = GPUTarget("cuda", 90, 32)
     chain = dict(HAS_Q=True, HAS_LEN=True, SEEDED=True, RESIDUAL=True, WORK_F64=False,
                  ROWS=1, TILE=256, P_PAD=8, SUMS_TILE=512)
     point = dict(chain, HAS_Q=False, SEEDED=False, RESIDUAL=False)
     for constants in (chain, point):
-        source = ASTSource(kc._chain_kernel, signature(kc._chain_kernel, constants), constants)
-        triton.compile(source, target=target)
+        compile_sm90(kc._chain_kernel, constants, kind)
     for mode_b in (False, True):
         constants = dict(MODE_B=mode_b, HAS_SIZE=True, SEEDED=True, WORK_F64=False, ROWS=1,
                          TILE=256, N_PAD=32, W_PAD=4, SUMS_TILE=512)
-        source = ASTSource(kt._tree_kernel, signature(kt._tree_kernel, constants), constants)
-        triton.compile(source, target=target)
+        compile_sm90(kt._tree_kernel, constants, kind)
     print("compiled")
     """
 )
