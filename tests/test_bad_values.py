@@ -7,6 +7,8 @@ behaviour, the same whichever path or control form serves the row.
   raises for the tensor too).
 * Probabilities whose total is ``2**128`` or more (float32 sums overflow) are invalid for
   every sampled row whatever the controls; greedy rows need no sum.
+* An out-of-range tensor control flags its row whatever the temperature: a Python 0 (the
+  greedy shortcuts, which never weigh the row), a tensor of zeros, or 1.
 """
 
 from __future__ import annotations
@@ -50,6 +52,36 @@ def test_tiny_temperature_draws_ties_uniformly():
     assert counts[[0, 2, 4]].sum() == 0
     assert 1800 < counts[1] < 2200  # 2000 +- 6.3 standard deviations
     assert (fs.sample(logits[:3], temperature=0.0).token_ids == 1).all()
+
+
+# ---------------------------------------------------------------------------- tensor controls
+
+OUT_OF_RANGE = {
+    "min_p": torch.tensor([0.1, -0.1, 0.0]),
+    "top_p": torch.tensor([0.9, 1.5, 1.0]),
+    "top_k": torch.tensor([3, -3, 0]),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("num_samples", [1, 2])
+@pytest.mark.parametrize("name", sorted(OUT_OF_RANGE))
+def test_out_of_range_tensor_control_flags_its_row_at_any_temperature(
+    name, num_samples, backend, monkeypatch
+):
+    """Found by fuzzing: with a Python ``temperature=0.0`` the greedy shortcut left such a row
+    valid, while a zero-temperature tensor or ``temperature=1.0`` flagged it."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", backend)
+    logits = torch.randn(3, 7, generator=torch.Generator().manual_seed(2))
+    for temperature in (0.0, torch.zeros(3), 1.0):
+        out = fs.sample(logits, temperature=temperature, num_samples=num_samples, seed=3,
+                        **{name: OUT_OF_RANGE[name]})  # fmt: skip
+        assert out.valid.tolist() == [True, False, True], (temperature, out.valid)
+        assert out.token_ids[1].tolist() == list(range(num_samples))
+        assert (out.probs[1] == 0).all()
 
 
 # ---------------------------------------------------------------------------- tensor streams

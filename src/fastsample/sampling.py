@@ -403,20 +403,23 @@ def sample(
 
     from .kernels import backend as kernel_backend  # imports no triton
 
+    # The greedy shortcuts never weigh the row, so they judge its tensor controls here: an
+    # out-of-range value flags the row whatever the temperature, as on the general path.
+    shortcut_ok = None
+    if num_top == 0 and _has_tensor_control(controls):
+        shortcut_ok = controls_in_range(controls, batch, source_tensor.device)
     if kernel_backend.use_triton(source_tensor.device.type):  # FASTSAMPLE_BACKEND
         from .kernels import controls_ops
 
         # The kernels flag rows with an out-of-range tensor stream themselves.
         fields = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
-        return SampleOutput(*fields)
+        out = SampleOutput(*fields)
+        return _flag_rows(out, shortcut_ok) if controls.all_greedy else out
     ok = stream_ok(source)  # (B,) bool for a tensor stream, else None
 
     # No weights needed: one blocked max pass (a Python 0, or a tensor of zeros read on CPU).
     if num_top == 0 and (controls.all_greedy or _greedy_everywhere(controls)):
-        rows_ok = None  # a tensor of zeros: its rows' tensor controls must be in range
-        if isinstance(controls.temperature, Tensor):
-            rows_ok = controls_in_range(controls, batch, source_tensor.device)
-        out = _all_greedy(source_tensor, logits is not None, num_samples, rows_ok)
+        out = _all_greedy(source_tensor, logits is not None, num_samples, shortcut_ok)
         return _flag_rows(out, ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
@@ -480,6 +483,13 @@ def sample(
             processed.greedy,
         )
     return _flag_rows(out, ok)
+
+
+def _has_tensor_control(controls: v.Controls) -> bool:
+    return any(
+        isinstance(c, Tensor)
+        for c in (controls.temperature, controls.top_k, controls.top_p, controls.min_p)
+    )
 
 
 def _greedy_everywhere(controls: v.Controls) -> bool:
