@@ -20,11 +20,14 @@ def reference_probs(
     min_p: float = 0.0,
     is_logits: bool = True,
     top_p_on_all: bool = False,
+    cut_order: str = "transformers",
 ) -> np.ndarray:
     """The processed distribution of one row, float64.
 
-    ``top_p_on_all=True`` is the classic bug kept for negative controls: the top-p mass is
-    taken from the whole distribution instead of the top-k survivors.
+    ``cut_order="vllm"`` applies min-p first, then top-k among its survivors (all of them if
+    fewer than k), then top-p on what is left, as vLLM does. ``top_p_on_all=True`` is the
+    classic bug kept for negative controls: the top-p mass is taken from the whole
+    distribution instead of the top-k survivors.
     """
     x = np.asarray(values, dtype=np.float64)
     vocab = x.shape[0]
@@ -37,8 +40,10 @@ def reference_probs(
     else:
         weights = (x / x.max()) ** (1.0 / temperature)
     keep = np.ones(vocab, dtype=bool)
-    if 0 < top_k < vocab:
-        kth = np.sort(weights)[::-1][top_k - 1]
+    if cut_order == "vllm" and min_p > 0:
+        keep &= weights >= min_p * weights.max()
+    if 0 < top_k < keep.sum():
+        kth = np.sort(weights[keep])[::-1][top_k - 1]
         keep &= weights >= kth
     if top_p < 1:
         pool = weights if top_p_on_all else np.where(keep, weights, 0.0)
@@ -46,7 +51,7 @@ def reference_probs(
         reached = np.cumsum(ranked) >= top_p * pool.sum()
         tau = ranked[int(np.argmax(reached))]
         keep &= weights >= tau
-    if min_p > 0:
+    if cut_order == "transformers" and min_p > 0:
         keep &= weights >= min_p * weights.max()
     out = np.where(keep, weights, 0.0)
     return out / out.sum()

@@ -14,7 +14,9 @@ Semantics, applied in this order (the README has the same list):
 3. top-p, on the distribution renormalized over the top-k survivors: keep the entries
    ``>= tau``, ``tau`` the largest threshold whose kept mass is ``>= top_p`` of the
    survivors' mass (the smallest most-likely set reaching ``top_p``, ties kept). Off: 1.
-4. min-p: keep the entries ``>= min_p`` times the largest weight. Off: 0.
+4. min-p: keep the entries ``>= min_p`` times the largest weight. Off: 0. With
+   ``cut_order="vllm"`` min-p comes first instead, so top-p's mass is that of the tokens
+   surviving min-p and top-k (vLLM's order).
 
 All cuts are thresholds on the same float32 weights (float64 for float64 input), so the kept
 set is ``{i : w_i >= max(cut_k, cut_p, cut_min)}`` and every cut is exact on those weights
@@ -115,6 +117,7 @@ def process(
     top_k: Control = None,
     top_p: Control = None,
     min_p: Control = None,
+    cut_order: str = "transformers",
 ) -> Tensor:
     """The processed, renormalized distribution that :func:`fastsample.sample` draws from.
 
@@ -127,6 +130,8 @@ def process(
         logits, probs: exactly one, ``(B, V)`` float16/bfloat16/float32/float64.
         temperature, top_k, top_p, min_p: Python numbers or ``(B,)`` tensors (same rules as
             :func:`fastsample.sample`).
+        cut_order: ``"transformers"`` or ``"vllm"`` (min-p first), as in
+            :func:`fastsample.sample`.
 
     Returns:
         ``(B, V)`` float32 (float64 for float64 input), rows summing to 1. Invalid rows
@@ -141,7 +146,9 @@ def process(
     """
     source = check_source(logits, probs)
     batch, vocab = source.shape
-    controls = check_controls(temperature, top_k, top_p, min_p, batch, vocab, source.device)
+    controls = check_controls(
+        temperature, top_k, top_p, min_p, batch, vocab, source.device, cut_order
+    )
     # Not differentiable (thresholds and a one-hot): values only, and no autograd graph.
     source = detached(source)
     logits, probs = (source, None) if logits is not None else (None, source)

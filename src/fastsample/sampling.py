@@ -327,6 +327,7 @@ def sample(
     stream: int | Tensor = 0,
     generator: torch.Generator | None = None,
     top_logprobs: int = 0,
+    cut_order: str = "transformers",
     check: bool = False,
 ) -> SampleOutput:
     """Sample with temperature, top-k, top-p, min-p and greedy, per row, exactly.
@@ -339,6 +340,9 @@ def sample(
     2. ``cut_p``: on the top-k survivors renormalized, the largest threshold whose kept
        mass is ``>= top_p`` (the smallest most-likely set reaching ``top_p``, ties kept);
     3. ``cut_min = min_p * max w``.
+
+    ``cut_order="vllm"`` applies min-p first, as vLLM does: top-p's mass is then that of the
+    tokens surviving both min-p and top-k (the kept set is still ``w >= max`` of the cuts).
 
     Then ``num_samples`` ordered draws without replacement (blocked inverse CDF, one 53-bit
     uniform per row per draw). ``T == 0`` is greedy: the first index among the maximal
@@ -366,6 +370,9 @@ def sample(
             :func:`sample_from_probs`); or ``generator``, a ``torch.Generator``.
         top_logprobs: ``N >= 0``: also return the N most likely tokens of the processed
             distribution and their log-probabilities.
+        cut_order: ``"transformers"`` (default: min-p after top-k and top-p, Hugging Face's
+            order) or ``"vllm"`` (min-p before them); the same unless top-p and min-p are
+            both on.
         check: if True, first read the values on the host and raise naming the first bad
             row or control value (this syncs).
 
@@ -388,7 +395,9 @@ def sample(
     """
     source_tensor = check_source(logits, probs)
     batch, vocab = source_tensor.shape
-    controls = check_controls(temperature, top_k, top_p, min_p, batch, vocab, source_tensor.device)
+    controls = check_controls(
+        temperature, top_k, top_p, min_p, batch, vocab, source_tensor.device, cut_order
+    )
     v.check_num_samples(num_samples, vocab)
     num_top = _check_top_logprobs(top_logprobs, vocab)
     v.check_generator(generator, source_tensor.device)
@@ -403,23 +412,21 @@ def sample(
 
     from .kernels import backend as kernel_backend  # imports no triton
 
-    # The greedy shortcuts never weigh the row, so they judge its tensor controls here: an
-    # out-of-range value flags the row whatever the temperature, as on the general path.
-    shortcut_ok = None
-    if num_top == 0 and _has_tensor_control(controls):
-        shortcut_ok = controls_in_range(controls, batch, source_tensor.device)
     if kernel_backend.use_triton(source_tensor.device.type):  # FASTSAMPLE_BACKEND
         from .kernels import controls_ops
 
         # The kernels flag rows with an out-of-range tensor stream themselves.
         fields = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
         out = SampleOutput(*fields)
-        return _flag_rows(out, shortcut_ok) if controls.all_greedy else out
+        if controls.all_greedy and num_top == 0:  # the greedy kernels weigh no control
+            out = _flag_rows(out, _shortcut_ok(controls, batch, source_tensor.device))
+        return out
     ok = stream_ok(source)  # (B,) bool for a tensor stream, else None
 
     # No weights needed: one blocked max pass (a Python 0, or a tensor of zeros read on CPU).
     if num_top == 0 and (controls.all_greedy or _greedy_everywhere(controls)):
-        out = _all_greedy(source_tensor, logits is not None, num_samples, shortcut_ok)
+        rows_ok = _shortcut_ok(controls, batch, source_tensor.device)
+        out = _all_greedy(source_tensor, logits is not None, num_samples, rows_ok)
         return _flag_rows(out, ok)
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
@@ -485,11 +492,14 @@ def sample(
     return _flag_rows(out, ok)
 
 
-def _has_tensor_control(controls: v.Controls) -> bool:
-    return any(
-        isinstance(c, Tensor)
-        for c in (controls.temperature, controls.top_k, controls.top_p, controls.min_p)
-    )
+def _shortcut_ok(controls: v.Controls, batch: int, device: torch.device) -> Tensor | None:
+    """Rows whose tensor controls are in range, for the greedy shortcuts (they weigh no
+    control, yet an out-of-range value flags its row at any temperature); None if no control
+    is a tensor."""
+    tensors = (controls.temperature, controls.top_k, controls.top_p, controls.min_p)
+    if any(isinstance(c, Tensor) for c in tensors):
+        return controls_in_range(controls, batch, device)
+    return None
 
 
 def _greedy_everywhere(controls: v.Controls) -> bool:

@@ -409,6 +409,7 @@ _COMPILE = textwrap.dedent("""
     ), dict(
         NUM_TOP=3, NORMALIZED=True, IS_LOGITS=True, IS_F64=False, NORMALIZE=True, T_MODE=2,
         DIVIDE=True, K_MODE=2, P_MODE=1, M_MODE=2, CUT=1, GREEDY=True, STREAM_ROWS=True,
+        MIN_P_FIRST=True,
         TILE=512, BLOCK=256, PRECISE=True,
     ))
     build(kg._greedy_kernel, dict(
@@ -430,7 +431,7 @@ _COMPILE = textwrap.dedent("""
     logits, temperature = torch.randn(4, 300), torch.rand(4)
     calls = {
         "controls": lambda x, t: controls_ops.controls_op(
-            x, True, t, 1.0, None, 40, None, 0.9, None, 0.0, None, 2, False
+            x, True, t, 1.0, None, 40, None, 0.9, None, 0.0, None, 2, False, False
         ),
         "greedy": lambda x, t: controls_ops.greedy_op(x, True, None),
     }

@@ -160,7 +160,7 @@ def _controls_kernel(
     IS_F64: tl.constexpr, NORMALIZE: tl.constexpr,
     T_MODE: tl.constexpr, DIVIDE: tl.constexpr, K_MODE: tl.constexpr, P_MODE: tl.constexpr,
     M_MODE: tl.constexpr, CUT: tl.constexpr, GREEDY: tl.constexpr, STREAM_ROWS: tl.constexpr,
-    TILE: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+    MIN_P_FIRST: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     if IS_F64:
         FLOAT: tl.constexpr = tl.float64
@@ -251,9 +251,13 @@ def _controls_kernel(
         if P_MODE != _OFF:
             cut_p = tl.full((), 0, FLOAT)
             if p < 1:
-                if K_MODE != _OFF:
-                    # The top-k survivors' mass: what keep_at_least(w, cut_k) keeps.
-                    mass = _kept_mass(out, n, tl.maximum(cut, FLOOR), TILE)
+                if (K_MODE != _OFF) | MIN_P_FIRST:
+                    # The survivors' mass of the cuts before top-p (top-k; min-p too in the
+                    # "vllm" order): what keep_at_least(w, floor) keeps.
+                    floor = cut
+                    if MIN_P_FIRST:
+                        floor = tl.maximum(floor, min_p.to(FLOAT))
+                    mass = _kept_mass(out, n, tl.maximum(floor, FLOOR), TILE)
                     cut_p = radix_threshold(out, n, p * mass, True, False, IS_F64, TILE)
                 else:
                     cut_p = radix_threshold(out, n, p, True, True, IS_F64, TILE)
@@ -440,7 +444,7 @@ def processed_weights(
         IS_LOGITS=is_logits, IS_F64=dtype == torch.float64, NORMALIZE=normalize,
         T_MODE=t_mode, DIVIDE=t_mode in (NUMBER, TENSOR), K_MODE=_mode(k), P_MODE=_mode(p),
         M_MODE=_mode(m), CUT=cut, GREEDY=t_mode in (TENSOR, ZERO),
-        STREAM_ROWS=stream is not None,
+        STREAM_ROWS=stream is not None, MIN_P_FIRST=controls.min_p_first,
         TILE=max(tile_for(vocab, INTERPRETED), BLOCK), BLOCK=BLOCK,
         PRECISE=not INTERPRETED and libdevice is not None,
     )  # fmt: skip

@@ -79,12 +79,14 @@ def _controls_launcher(
     stream: Tensor | None,
     num_top: int,
     normalized: bool,
+    min_p_first: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     controls = Controls(
         temperature if temperature is not None else _off(temperature_value, 1.0),
         top_k if top_k is not None else (top_k_value or None),
         top_p if top_p is not None else _off(top_p_value, 1.0),
         min_p if min_p is not None else _off(min_p_value, 0.0),
+        "vllm" if min_p_first else "transformers",
     )
     logits, probs = (source, None) if is_logits else (None, source)
     got, top_ids, top_logp = _controls.processed_weights(
@@ -98,7 +100,7 @@ def _off(value: float, off: float) -> float | None:
 
 
 def _controls_fake(source, is_logits, *controls_and_stream):
-    num_top = controls_and_stream[-2]
+    num_top = controls_and_stream[-3]
     return _controls.outputs(source) + _controls.top_outputs(source, num_top)
 
 
@@ -153,7 +155,9 @@ def _unit_stride(value):
 
 def _unit_stride_controls(controls: Controls) -> Controls:
     t, k, p, m = controls.temperature, controls.top_k, controls.top_p, controls.min_p
-    return Controls(_unit_stride(t), _unit_stride(k), _unit_stride(p), _unit_stride(m))
+    return Controls(
+        _unit_stride(t), _unit_stride(k), _unit_stride(p), _unit_stride(m), controls.cut_order
+    )
 
 
 def _tensor_stream(source: UniformSource) -> Tensor | None:
@@ -192,6 +196,7 @@ def processed(
         stream,
         num_top,
         normalized,
+        controls.min_p_first,
     )
 
 

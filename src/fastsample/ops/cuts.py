@@ -149,21 +149,29 @@ def row_cuts(
         k_rows = as_rows(k, batch, f64)
         cut = descending_threshold(weights, k_rows, "count")
         cut = torch.where((k_rows > 0) & (k_rows < vocab), cut, 0.0)
-    if controls.top_p is not None:
-        # For thresholds at or above cut_k the mass above them is the same with or without
-        # the top-k cut, so top-p needs only the survivors' mass, not a masked copy.
-        if candidates is not None:
-            # Every survivor above cut_k is a candidate; the rest are ties at cut_k, anywhere
-            # in the row: count them (one compare pass, no masked copy).
-            assert cut is not None
-            ties = count_equal(weights, cut)
-            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, ties)
-        else:
-            # None: the whole row's mass, read off the radix's first round.
-            mass = None if cut is None else kept_mass(weights, cut)
-            cut_p = top_p_cut(weights, controls.top_p, mass)
-        cut = cut_p if cut is None else torch.maximum(cut, cut_p)
+    cut_min = None
     if controls.min_p is not None:
         cut_min = as_rows(controls.min_p, batch, f64).to(weights.dtype) * peak
+    if controls.top_p is not None:
+        # Top-p's mass is that of the survivors of the cuts before it: top-k, and min-p too
+        # in the "vllm" order. Every such cut is a threshold (the floor), and for thresholds
+        # at or above it the mass above them is the same with or without the earlier cuts,
+        # so top-p needs only the survivors' mass, not a masked copy.
+        floor = cut
+        if controls.min_p_first:
+            assert cut_min is not None
+            floor = cut_min if floor is None else torch.maximum(floor, cut_min)
+        if candidates is not None:
+            # Every survivor above the floor is a candidate; the rest are ties at the floor,
+            # anywhere in the row: count them (one compare pass, no masked copy).
+            assert floor is not None
+            ties = count_equal(weights, floor)
+            cut_p = top_p_cut_from_candidates(candidates, floor, controls.top_p, ties)
+        else:
+            # None: the whole row's mass, read off the radix's first round.
+            mass = None if floor is None else kept_mass(weights, floor)
+            cut_p = top_p_cut(weights, controls.top_p, mass)
+        cut = cut_p if cut is None else torch.maximum(cut, cut_p)
+    if cut_min is not None:
         cut = cut_min if cut is None else torch.maximum(cut, cut_min)
     return cut

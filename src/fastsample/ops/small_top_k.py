@@ -230,12 +230,22 @@ def _draw_from_maxima(
     # Entries above cut_k are all candidates; the rest of count(x >= x_low) are ties at it.
     strictly_above = torch.where(candidates > cut_k[:, None], candidates, 0.0)
     cut = cut_k
-    if controls.top_p is not None:
-        ties = reaching - (strictly_above > 0).sum(-1)
-        cut = torch.maximum(cut, top_p_cut_from_candidates(candidates, cut_k, controls.top_p, ties))
-    if controls.min_p is not None:
+    cut_min = None
+    if controls.min_p is not None:  # the largest weight is 1
         f64 = torch.zeros(batch, dtype=torch.float64, device=logits.device)
-        cut = torch.maximum(cut, as_rows(controls.min_p, batch, f64).to(cut.dtype))
+        cut_min = as_rows(controls.min_p, batch, f64).to(cut.dtype)
+    if controls.top_p is not None:
+        floor = cut_k
+        ties = reaching - (strictly_above > 0).sum(-1)
+        if controls.min_p_first:  # top-p's mass: the survivors of min-p and top-k
+            assert cut_min is not None
+            floor = torch.maximum(cut_k, cut_min)
+            # Above cut_k every entry is a candidate, so are the ties at a higher floor.
+            at_floor = (candidates == floor[:, None]).sum(-1, dtype=torch.float64)
+            ties = torch.where(floor > cut_k, at_floor, ties)
+        cut = torch.maximum(cut, top_p_cut_from_candidates(candidates, floor, controls.top_p, ties))
+    if cut_min is not None:
+        cut = torch.maximum(cut, cut_min)
     scale = cut.clamp_min(CUT_FLOOR[torch.float32])[:, None]
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns

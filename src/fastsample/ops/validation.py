@@ -190,6 +190,13 @@ def check_control_values(controls: object) -> None:
 # ---------------------------------------------------------------------------- controls
 
 
+CUT_ORDERS = ("transformers", "vllm")
+"""Where min-p sits among the cuts (see :func:`fastsample.sample`): ``"transformers"`` judges
+top-p on the top-k survivors and min-p after both (Hugging Face's warpers); ``"vllm"`` applies
+min-p first, so top-p's mass is that of the tokens surviving min-p and top-k (vLLM's
+``MinPLogitsProcessor`` before ``apply_top_k_top_p``)."""
+
+
 @dataclass(frozen=True)
 class Controls:
     """Checked per-row controls: None (stage off), a Python number, or a ``(B,)`` tensor."""
@@ -198,6 +205,13 @@ class Controls:
     top_k: int | Tensor | None = None
     top_p: float | Tensor | None = None
     min_p: float | Tensor | None = None
+    cut_order: str = "transformers"
+
+    @property
+    def min_p_first(self) -> bool:
+        """Top-p's mass counts only the tokens that min-p keeps (the ``"vllm"`` order); the
+        order changes nothing unless both top-p and min-p are on."""
+        return self.cut_order == "vllm" and self.min_p is not None and self.top_p is not None
 
     @property
     def all_greedy(self) -> bool:
@@ -245,6 +259,14 @@ def _check_number(value: object, name: str, kind: str) -> float | int:
     return value
 
 
+def check_cut_order(cut_order: object) -> str:
+    if cut_order not in CUT_ORDERS:
+        raise ValueError(
+            f"cut_order must be one of {', '.join(map(repr, CUT_ORDERS))}, got {cut_order!r}"
+        )
+    return cut_order  # type: ignore[return-value]
+
+
 def check_controls(
     temperature: object,
     top_k: object,
@@ -253,11 +275,13 @@ def check_controls(
     batch: int,
     vocab: int,
     device: torch.device,
+    cut_order: object = "transformers",
 ) -> Controls:
-    """Check the four controls before any work; Python off-values become None.
+    """Check the four controls and their order before any work; Python off-values become None.
 
     Raises ``TypeError``/``ValueError`` naming the control, its range and its off-value.
     """
+    check_cut_order(cut_order)
     found: dict[str, float | int | Tensor | None] = {}
     specs = (
         ("temperature", temperature, "float", "temperature must be >= 0 (0 = greedy, 1 = off)"),
@@ -287,7 +311,7 @@ def check_controls(
                 "min_p": number == 0,
             }[name]
             found[name] = None if off else (float(number) if kind == "float" else int(number))
-    return Controls(**found)  # type: ignore[arg-type]
+    return Controls(**found, cut_order=cut_order)  # type: ignore[arg-type]
 
 
 def check_source(logits: object, probs: object) -> Tensor:

@@ -1,0 +1,175 @@
+"""Where min-p sits among the cuts: ``cut_order="transformers"`` (after top-k and top-p, Hugging
+Face's warpers) and ``cut_order="vllm"`` (first, as vLLM's ``MinPLogitsProcessor`` before
+``apply_top_k_top_p``), each exact against the float64 sort reference of tests/reference.py.
+
+The two orders differ only when top-p and min-p are both on: in the vLLM order top-p's mass is
+that of the tokens surviving min-p and top-k. Every path is held to the reference: the general
+radix path (tensor controls), the static paths of Python numbers (the candidate-block top-k),
+the small-top-k path with per-row tensor ``k`` (CPU eager) and the Triton controls kernel
+(interpreter). The law test draws from a row where the orders give different laws, at 2%;
+its negative control (the other order) is rejected at the same size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastsample as fs
+import fastsample.ops.small_top_k
+from reference import min_p_keeping, reference_probs, robust_min_p, robust_top_p
+from stattests import LawCase, assert_law, draws_needed, law_rejected
+from test_controls import KINDS, assert_matches_reference, make_logits
+
+ORDERS = ("transformers", "vllm")
+
+
+def survivors_before_top_p(x, t, k, m, order):
+    """The kept weights that top-p's mass is taken over, in ``order`` (for a robust top_p)."""
+    return reference_probs(x, t, k, 1.0, m if order == "vllm" else 0.0, cut_order="vllm")
+
+
+def order_batch(vocab, rows, seed, order, k_range=None):
+    """Rows of every kind with top-p and min-p on in most rows (where the orders differ)."""
+    rng = np.random.default_rng(seed)
+    xs, controls = [], []
+    for i in range(rows):
+        x = make_logits(KINDS[i % len(KINDS)], vocab, rng)
+        t = float(rng.choice([0.6, 1.0, 1.5]))
+        if k_range is None:
+            k = int(rng.choice([0, int(rng.integers(1, vocab + 1))]))
+        else:
+            k = int(rng.integers(*k_range))
+        weights = np.exp((x - x.max()) / t)
+        if k_range is not None and k > 1 and rng.random() < 0.7:  # min-p cuts above top-k
+            m = min_p_keeping(weights, int(rng.integers(1, k)))
+        else:
+            m = robust_min_p(weights, rng) if rng.random() < 0.8 else 0.0
+        p = robust_top_p(survivors_before_top_p(x, t, k, m, order), rng)
+        xs.append(x)
+        controls.append((t, k, p, m))
+    return np.stack(xs), controls
+
+
+def reference(xs, controls, order):
+    return np.stack(
+        [reference_probs(x, *c, cut_order=order) for x, c in zip(xs, controls, strict=True)]
+    )
+
+
+def tensors(controls):
+    t, k, p, m = zip(*controls, strict=True)
+    return dict(
+        temperature=torch.tensor(t), top_k=torch.tensor(k), top_p=torch.tensor(p),
+        min_p=torch.tensor(m),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("vocab", [20, 700, 40_000])
+def test_process_matches_reference_with_tensor_controls(vocab, order):
+    xs, controls = order_batch(vocab, 24, seed=vocab + len(order), order=order)
+    got = fs.process(torch.tensor(xs, dtype=torch.float32), **tensors(controls), cut_order=order)
+    assert_matches_reference(got, reference(xs, controls, order), f"{order} V={vocab}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_process_matches_reference_with_python_numbers(order):
+    """Python numbers take the static paths: a small top_k through the candidate blocks."""
+    xs, controls = order_batch(700, 18, seed=5, order=order)
+    for x, (t, k, p, m) in zip(xs, controls, strict=True):
+        got = fs.process(torch.tensor(x[None], dtype=torch.float32), temperature=t, top_k=k,
+                         top_p=p, min_p=m, cut_order=order)  # fmt: skip
+        want = reference_probs(x, t, k, p, m, cut_order=order)[None]
+        assert_matches_reference(got, want, f"{order} {t, k, p, m}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_small_top_k_paths_draw_what_the_general_path_draws(order, monkeypatch):
+    """Per-row tensor ``k`` in every row (CPU eager: the small-top-k path) and a Python ``k``:
+    bitwise the general path's tokens, whose law the reference fixes."""
+    xs, controls = order_batch(3000, 12, seed=11, order=order, k_range=(1, 60))
+    t, k, _, m = zip(*controls, strict=True)
+    below_min_p = [reference_probs(x, tt, 0, 1.0, mm).astype(bool).sum() < kk
+                   for x, tt, kk, mm in zip(xs, t, k, m, strict=True)]  # fmt: skip
+    assert sum(below_min_p) >= 4  # rows where min-p, not top-k, sets top-p's floor
+    x = torch.tensor(xs, dtype=torch.float32)
+    args = dict(**tensors(controls), cut_order=order, seed=torch.arange(12), num_samples=2)
+    fast = fs.sample(x, **args)
+    monkeypatch.setattr(fs.ops.small_top_k, "applies", lambda *a: False)
+    general = fs.sample(x, **args)
+    assert torch.equal(fast.token_ids, general.token_ids)
+    assert torch.equal(fast.valid, general.valid)  # rows keeping one token cannot draw two
+    torch.testing.assert_close(fast.probs, general.probs, rtol=1e-6, atol=0)
+    want = reference(xs, controls, order)
+    assert_matches_reference(fs.process(x, **tensors(controls), cut_order=order), want, order)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_triton_kernel_matches_the_torch_ops(order, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    xs, controls = order_batch(300, 12, seed=21, order=order)
+    x = torch.tensor(xs, dtype=torch.float32)
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "triton")
+    got = fs.process(x, **tensors(controls), cut_order=order)
+    assert_matches_reference(got, reference(xs, controls, order), f"triton {order}")
+
+
+def test_the_orders_differ_where_top_p_and_min_p_meet():
+    """The row of the law test below: vLLM's order keeps one token fewer than Hugging Face's."""
+    x, (t, k, p, m) = LAW_ROW, LAW_CONTROLS
+    kept = {o: np.flatnonzero(reference_probs(x, t, k, p, m, cut_order=o)) for o in ORDERS}
+    assert len(kept["vllm"]) < len(kept["transformers"])
+    for order in ORDERS:
+        got = fs.process(torch.tensor(x[None], dtype=torch.float32), temperature=t, top_k=k,
+                         top_p=p, min_p=m, cut_order=order)  # fmt: skip
+        assert np.array_equal(np.flatnonzero(got[0].numpy()), kept[order]), order
+
+
+def test_bad_cut_order_raises_before_work():
+    with pytest.raises(ValueError, match="cut_order must be one of 'transformers', 'vllm'"):
+        fs.sample(torch.randn(2, 5), cut_order="sglang")
+    with pytest.raises(ValueError, match="cut_order"):
+        fs.process(torch.randn(2, 5), cut_order=None)
+
+
+# ---------------------------------------------------------------------------- law
+
+# Weights 8, 4, 2, 1 and a tail of 12 at 0.25 (mass 18): min_p = 0.2 drops the tail (cut 1.6
+# keeps 8, 4, 2). With top_p = 0.8: over min-p's survivors (mass 14) the top two reach 12 >=
+# 11.2, so vLLM keeps {8, 4}; over the whole row (mass 18) 8 + 4 + 2 = 14 >= 14.4 fails and
+# the cut falls to 1, keeping {8, 4, 2, 1}, from which min-p then drops 1: {8, 4, 2}.
+LAW_ROW = np.log(np.array([8.0, 4.0, 2.0, 1.0] + [0.25] * 12)) + 0.3
+LAW_CONTROLS = (1.0, 0, 0.8, 0.2)
+CLAIM = 0.02
+
+
+def law(order: str) -> np.ndarray:
+    return reference_probs(LAW_ROW, *LAW_CONTROLS, cut_order=order)
+
+
+LAW_DRAWS = draws_needed(law("vllm"), CLAIM)
+
+
+def test_vllm_order_law_and_its_negative_control():
+    t, _, p, m = LAW_CONTROLS
+    x = torch.tensor(LAW_ROW, dtype=torch.float32).expand(50_000, -1)
+    counts = np.zeros(len(LAW_ROW), dtype=np.int64)
+    drawn = 0
+    step = 0
+    while drawn < LAW_DRAWS:
+        rows = min(50_000, LAW_DRAWS - drawn)
+        out = fs.sample(x[:rows], temperature=t, top_p=p, min_p=m, cut_order="vllm",
+                        seed=torch.arange(rows), step=step)  # fmt: skip
+        assert out.valid.all()
+        counts += np.bincount(out.token_ids[:, 0].numpy(), minlength=len(LAW_ROW))
+        drawn += rows
+        step += 1
+    assert_law(counts, law("vllm"), what="cut_order='vllm'")
+    assert law_rejected(counts, law("transformers"))  # the other order, at this size
+
+
+def law_cases():
+    yield LawCase("cut_order='vllm' V=16", law("vllm"), LAW_DRAWS, CLAIM)
