@@ -6,8 +6,9 @@ The two orders differ only when top-p and min-p are both on: in the vLLM order t
 that of the tokens surviving min-p and top-k. Every path is held to the reference: the general
 radix path (tensor controls), the static paths of Python numbers (the candidate-block top-k),
 the small-top-k path with per-row tensor ``k`` (CPU eager) and the Triton controls kernel
-(interpreter). The law test draws from a row where the orders give different laws, at 2%;
-its negative control (the other order) is rejected at the same size.
+(interpreter, tests/kernels/test_triton_controls_edges.py). The law test draws from a row
+where the orders give different laws, at 2%; its negative control (the other order) is
+rejected at the same size.
 """
 
 from __future__ import annotations
@@ -104,17 +105,6 @@ def test_small_top_k_paths_draw_what_the_general_path_draws(order, monkeypatch):
     torch.testing.assert_close(fast.probs, general.probs, rtol=1e-6, atol=0)
     want = reference(xs, controls, order)
     assert_matches_reference(fs.process(x, **tensors(controls), cut_order=order), want, order)
-
-
-@pytest.mark.parametrize("order", ORDERS)
-def test_triton_kernel_matches_the_torch_ops(order, monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    xs, controls = order_batch(300, 12, seed=21, order=order)
-    x = torch.tensor(xs, dtype=torch.float32)
-    monkeypatch.setenv("FASTSAMPLE_BACKEND", "triton")
-    got = fs.process(x, **tensors(controls), cut_order=order)
-    assert_matches_reference(got, reference(xs, controls, order), f"triton {order}")
 
 
 def test_the_orders_differ_where_top_p_and_min_p_meet():
