@@ -15,6 +15,7 @@ import torch
 
 import fastsample as fs
 import fastsample.sampling as sampling_module
+import fastsample.stages.draw
 import fastsample.verify.chain as chain_module
 import test_bad_input
 
@@ -255,15 +256,16 @@ def shift_when_any_bad(ids, valid, vocab):
 
 
 def test_negative_control_samplers(monkeypatch):
-    """With ``_finish`` broken so that a bad row shifts the good rows' ids, the checks above
+    """With ``finish`` broken so that a bad row shifts the good rows' ids, the checks above
     fail for sample_from_probs, fast_sample and sample."""
-    real = sampling_module._finish
+    real = sampling_module.finish
 
     def broken_finish(weights, token_ids, genuine, total, clean, read=None):
         out = real(weights, token_ids, genuine, total, clean, read)
         return out._replace(token_ids=shift_when_any_bad(out.token_ids, clean, V))
 
-    monkeypatch.setattr(sampling_module, "_finish", broken_finish)
+    monkeypatch.setattr(sampling_module, "finish", broken_finish)  # sample_from_probs
+    monkeypatch.setattr(fastsample.stages.draw, "finish", broken_finish)  # sample
     probs = spoil_probs(torch.softmax(logits_batch(1), -1))
     cases = [
         lambda: test_sample_from_probs("inverse_cdf", torch.float32),

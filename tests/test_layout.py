@@ -19,6 +19,7 @@ RANKS = {
     "kernels": 1,
     "sampling": 2,
     "controls": 2,
+    "stages": 2,
     "verify": 3,
     "distributed": 3,
     "hf": 4,

@@ -7,6 +7,10 @@ Public API (flat and functional, every function shares argument names):
 * :func:`sample_from_probs` -- draws from weights with a per-row ``valid`` flag;
 * :func:`sample`, :func:`process` -- temperature, top-k, top-p, min-p and greedy per row
   (logits or probabilities), and the processed distribution they sample from;
+* :func:`sample_step`, :func:`process_step` -- an inference engine's whole sampling step:
+  allowed tokens and grammar bitmasks, logit bias, min-tokens, penalties, the controls, the
+  draw and logprobs, per request (:class:`StepParams`, built when the batch changes, and
+  :class:`TokenStats`, the penalties' per-request state);
 * :class:`SampleOutput` -- what samplers return;
 * :func:`verify_chain`, :func:`verify_tree` -- speculative-decoding verification, exact in
   distribution (:class:`VerifyOutput`, :class:`TokenTree`, :class:`TreeVerifyOutput`);
@@ -30,11 +34,14 @@ from . import distributed
 from .controls import process
 from .ops.seeds import Stream, advance_step
 from .sampling import SampleOutput, fast_sample, sample, sample_from_probs
+from .stages import StepParams, TokenStats, process_step, sample_step
 from .verify import TokenTree, TreeVerifyOutput, VerifyOutput, verify_chain, verify_tree
 
 __all__ = [
     "SampleOutput",
+    "StepParams",
     "Stream",
+    "TokenStats",
     "TokenTree",
     "TreeVerifyOutput",
     "VerifyOutput",
@@ -42,8 +49,10 @@ __all__ = [
     "distributed",
     "fast_sample",
     "process",
+    "process_step",
     "sample",
     "sample_from_probs",
+    "sample_step",
     "verify_chain",
     "verify_tree",
 ]

@@ -152,6 +152,15 @@ def process(
     # Not differentiable (thresholds and a one-hot): values only, and no autograd graph.
     source = detached(source)
     logits, probs = (source, None) if logits is not None else (None, source)
+    return process_checked(logits, probs, controls)
+
+
+def process_checked(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Tensor:
+    """:func:`process` once its arguments are checked (exactly one of ``logits``/``probs``,
+    detached; ``controls`` from :func:`check_controls`)."""
+    source = logits if logits is not None else probs
+    assert source is not None
+    vocab = source.shape[1]
     from .kernels import backend as kernel_backend  # imports no triton
 
     if kernel_backend.use_triton(source.device.type):  # FASTSAMPLE_BACKEND

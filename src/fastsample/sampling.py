@@ -8,56 +8,18 @@ with the host unless ``check=True``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-from .controls import Processed, processed_weights
 from .kernels import backend
-from .ops import small_top_k
 from .ops import validation as v
 from .ops.inverse_cdf import inverse_cdf_draw, row_summaries
 from .ops.noise import UniformSource
-from .ops.race import race_draw, repeat_last_genuine
+from .ops.race import race_draw
 from .ops.seeds import check_stream_values, make_source, stream_ok
-from .ops.select import block_maxima, first_in_block, top_entries
-from .ops.validation import check_controls, check_source
-from .ops.weights import controls_in_range, probs_total_fits
-
-
-class SampleOutput(NamedTuple):
-    """What every sampler returns.
-
-    Attributes:
-        token_ids: ``(B, n) int64``, ordered draws without replacement, always in
-            ``[0, V)``. Invalid rows hold ``0, 1, ..., n-1``.
-        probs: ``(B, n)``, each drawn token's probability under its row's normalized
-            distribution (float32; float64 for float64 input). 0 for invalid rows and
-            for padding slots (see ``valid``).
-        valid: ``(B,) bool``. False for rows with NaN, +-inf or negative weights, a zero
-            total or one of ``2**128`` or more (float32 sums overflow; float64 input: an
-            infinite one), or an out-of-range tensor ``stream``; also False for rows with
-            fewer positive weights than ``n``: their genuine draws come first and the later
-            slots repeat the last genuine draw with ``probs`` 0 (never a zero-weight token).
-        logprobs: ``(B, n)`` float32 (float64 for float64 input), ``log`` of ``probs``
-            computed in float64 (``-inf`` where ``probs`` is 0).
-        top_token_ids: ``(B, N) int64`` with ``top_logprobs=N`` in :func:`sample`: the N
-            most likely tokens of the processed distribution, most likely first (ties by
-            the lower index); None otherwise.
-        top_logprobs: ``(B, N)`` their log-probabilities (``-inf`` outside the kept set
-            and for invalid rows); None unless requested.
-    """
-
-    token_ids: Tensor
-    probs: Tensor
-    valid: Tensor
-    logprobs: Tensor | None = None
-    top_token_ids: Tensor | None = None
-    top_logprobs: Tensor | None = None
-
+from .ops.validation import check_source
+from .stages import SampleOutput, StepParams, sample_step
+from .stages.output import finish
 
 # Method choice for method="auto", from medians measured with `python -m fastsample bench`
 # and a B x V sweep (2-core Xeon, torch 2.13, float32, one draw), in ms:
@@ -102,33 +64,7 @@ def _draw(probs: Tensor, num_samples: int, method: str, source: UniformSource) -
     if ok is not None:  # an out-of-range tensor stream: flagged like a bad value
         clean = clean & ok
 
-    return _finish(probs, token_ids, genuine, total, clean)
-
-
-def _finish(
-    weights: Tensor,
-    token_ids: Tensor,
-    genuine: Tensor,
-    total: Tensor,
-    clean: Tensor,
-    read: Callable[[Tensor], Tensor] | None = None,
-) -> SampleOutput:
-    """Probabilities, log-probabilities and the bad-row policy for drawn ``token_ids``.
-
-    ``read(columns)`` gives the weights when they were never materialized (``weights`` then
-    only gives the dtype and device)."""
-    batch, num_samples = token_ids.shape
-    out_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
-    drawn = (weights.gather(1, token_ids) if read is None else read(token_ids)).to(torch.float64)
-    keep = clean[:, None] & genuine
-    token_probs = torch.where(keep, drawn / total[:, None], 0.0)
-    logprobs = torch.where(keep, drawn.log() - total.log()[:, None], -math.inf)
-    fallback = torch.arange(num_samples, device=weights.device).expand(batch, num_samples)
-    token_ids = torch.where(clean[:, None], token_ids, fallback)
-    all_genuine = genuine[:, 0] if num_samples == 1 else genuine.all(-1)
-    return SampleOutput(
-        token_ids, token_probs.to(out_dtype), clean & all_genuine, logprobs.to(out_dtype)
-    )
+    return finish(probs, token_ids, genuine, total, clean)
 
 
 def _checked_source(
@@ -152,22 +88,6 @@ def _checked_source(
         v.check_probs_values(probs)
         check_stream_values(source)
     return source
-
-
-def _flag_rows(out: SampleOutput, ok: Tensor | None) -> SampleOutput:
-    """The bad-row policy for rows that ``ok`` rejects (out-of-range tensor ``stream``)."""
-    if ok is None:
-        return out
-    keep = ok[:, None]
-    fallback = torch.arange(out.token_ids.shape[1], device=ok.device).expand_as(out.token_ids)
-    logprobs, top = out.logprobs, out.top_logprobs
-    return out._replace(
-        token_ids=torch.where(keep, out.token_ids, fallback),
-        probs=torch.where(keep, out.probs, 0.0),
-        valid=out.valid & ok,
-        logprobs=None if logprobs is None else torch.where(keep, logprobs, -math.inf),
-        top_logprobs=None if top is None else torch.where(keep, top, -math.inf),
-    )
 
 
 def sample_from_probs(
@@ -288,31 +208,6 @@ def fast_sample(
     return probs.gather(1, token_ids), token_ids
 
 
-def _check_top_logprobs(top_logprobs: object, vocab: int) -> int:
-    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int):
-        raise TypeError(f"top_logprobs must be a Python int, got {type(top_logprobs).__name__}")
-    if not 0 <= top_logprobs <= vocab:
-        raise ValueError(
-            f"top_logprobs must be between 0 and the vocabulary size {vocab}, got {top_logprobs}"
-        )
-    return top_logprobs
-
-
-def _greedy_draws(
-    source: Tensor, is_logits: bool, num_samples: int, processed: Processed | small_top_k.Drawn
-) -> tuple[Tensor, Tensor]:
-    """Greedy ids ``(B, n)`` and which are genuine: the first maximal index, and for ``n > 1``
-    the ``n`` largest entries in order (the ``T -> 0`` limit of draws without replacement);
-    masked entries (``-inf`` logits, zero probabilities) are never genuine."""
-    assert processed.greedy_ids is not None
-    if num_samples == 1:
-        ids = processed.greedy_ids[:, None]
-        return ids, torch.ones_like(ids, dtype=torch.bool)
-    values, ids = top_entries(source, num_samples, processed.maxima)
-    genuine = values > (-math.inf if is_logits else 0.0)
-    return repeat_last_genuine(ids, genuine), genuine
-
-
 def sample(
     logits: Tensor | None = None,
     probs: Tensor | None = None,
@@ -395,185 +290,9 @@ def sample(
     """
     source_tensor = check_source(logits, probs)
     batch, vocab = source_tensor.shape
-    controls = check_controls(
-        temperature, top_k, top_p, min_p, batch, vocab, source_tensor.device, cut_order
-    )
-    v.check_num_samples(num_samples, vocab)
-    num_top = _check_top_logprobs(top_logprobs, vocab)
-    v.check_generator(generator, source_tensor.device)
-    source = make_source(generator, seed, step, stream, batch, source_tensor.device)  # type: ignore[arg-type]
-    if v.check_flag(check, "check"):
-        v.check_source_values(logits, probs)
-        v.check_control_values(controls)
-        check_stream_values(source)
-    # Sampling is not differentiable: values only, once, after the checks.
-    source_tensor = v.detached(source_tensor)
-    logits, probs = (source_tensor, None) if logits is not None else (None, source_tensor)
-
-    from .kernels import backend as kernel_backend  # imports no triton
-
-    if kernel_backend.use_triton(source_tensor.device.type):  # FASTSAMPLE_BACKEND
-        from .kernels import controls_ops
-
-        # The kernels flag rows with an out-of-range tensor stream themselves.
-        fields = controls_ops.sample(logits, probs, controls, num_samples, source, num_top)
-        out = SampleOutput(*fields)
-        if controls.all_greedy and num_top == 0:  # the greedy kernels weigh no control
-            out = _flag_rows(out, _shortcut_ok(controls, batch, source_tensor.device))
-        return out
-    ok = stream_ok(source)  # (B,) bool for a tensor stream, else None
-
-    # No weights needed: one blocked max pass (a Python 0, or a tensor of zeros read on CPU).
-    if num_top == 0 and (controls.all_greedy or _greedy_everywhere(controls)):
-        rows_ok = _shortcut_ok(controls, batch, source_tensor.device)
-        out = _all_greedy(source_tensor, logits is not None, num_samples, rows_ok)
-        return _flag_rows(out, ok)
-    if small_top_k.applies(logits, controls):  # the k best blocks and one count
-        assert logits is not None
-        got = small_top_k.draw(logits, controls, num_samples, source)
-        token_ids, genuine = got.token_ids.clamp_max_(vocab - 1), got.genuine
-        if got.greedy is not None:  # tensor temperature: greedy rows as the general path
-            greedy_ids, greedy_genuine = _greedy_draws(logits, True, num_samples, got)
-            token_ids = torch.where(got.greedy[:, None], greedy_ids, token_ids)
-            genuine = torch.where(got.greedy[:, None], greedy_genuine, genuine)
-        out = _finish(logits, token_ids, genuine, got.total, got.valid, got.read)
-        if got.greedy is not None:  # a point mass, as below
-            point = got.valid[:, None] & genuine & got.greedy[:, None]
-            out = out._replace(
-                probs=torch.where(point, 1.0, out.probs).to(out.probs.dtype),
-                logprobs=torch.where(point, 0.0, out.logprobs).to(out.logprobs.dtype),  # type: ignore[arg-type]
-            )
-        if num_top:
-            out = _with_top_logprobs(
-                out, logits, num_top, got.maxima, got.read, got.total, got.valid, got.greedy
-            )
-        return _flag_rows(out, ok)
-    processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
-    if controls.all_greedy:  # nothing random: skip the draw
-        token_ids, genuine = _greedy_draws(
-            source_tensor, logits is not None, num_samples, processed
-        )
-        total = processed.total
-    else:
-        token_ids, genuine, total = inverse_cdf_draw(
-            processed.weights, num_samples, source, sums=processed.sums
-        )
-        token_ids = token_ids.clamp_max_(vocab - 1)
-        if processed.greedy is not None:
-            greedy_ids, greedy_genuine = _greedy_draws(
-                source_tensor, logits is not None, num_samples, processed
-            )
-            token_ids = torch.where(processed.greedy[:, None], greedy_ids, token_ids)
-            genuine = torch.where(processed.greedy[:, None], greedy_genuine, genuine)
-    valid = processed.valid
-    fits = None if probs is None else probs_total_fits(probs, controls, processed.total)
-    if fits is not None:  # the overflow rule of sample_from_probs; greedy rows need no sum
-        valid = valid & (fits if processed.greedy is None else fits | processed.greedy)
-    out = _finish(processed.weights, token_ids, genuine, total, valid)
-    greedy = processed.greedy
-    if greedy is not None:  # a point mass: probability 1 for every genuine greedy draw
-        # of a clean row, as _all_greedy (also where fewer than n are genuine: valid False)
-        point = valid[:, None] & genuine & greedy[:, None]
-        out = out._replace(
-            probs=torch.where(point, 1.0, out.probs).to(out.probs.dtype),
-            logprobs=torch.where(point, 0.0, out.logprobs).to(out.logprobs.dtype),  # type: ignore[arg-type]
-        )
-    if num_top:
-        out = _with_top_logprobs(
-            out,
-            source_tensor,
-            num_top,
-            processed.maxima,
-            lambda ids: processed.weights.gather(1, ids),
-            processed.total,
-            valid,
-            processed.greedy,
-        )
-    return _flag_rows(out, ok)
-
-
-def _shortcut_ok(controls: v.Controls, batch: int, device: torch.device) -> Tensor | None:
-    """Rows whose tensor controls are in range, for the greedy shortcuts (they weigh no
-    control, yet an out-of-range value flags its row at any temperature); None if no control
-    is a tensor."""
-    tensors = (controls.temperature, controls.top_k, controls.top_p, controls.min_p)
-    if any(isinstance(c, Tensor) for c in tensors):
-        return controls_in_range(controls, batch, device)
-    return None
-
-
-def _greedy_everywhere(controls: v.Controls) -> bool:
-    """Whether a tensor temperature holds zeros only, read where that is free (a CPU tensor
-    in eager mode, :func:`~fastsample.ops.small_top_k.host_readable`): every row is greedy,
-    and the call is served as with a Python 0 (one blocked max pass, no weights). Elsewhere
-    (CUDA, ``torch.compile``) such rows take the general path: no sync."""
-    t = controls.temperature
-    return (
-        isinstance(t, Tensor)
-        and t.numel() > 0
-        and small_top_k.host_readable(t)
-        and bool((t == 0).all())
-    )
-
-
-def _all_greedy(
-    source: Tensor, is_logits: bool, num_samples: int, rows_ok: Tensor | None = None
-) -> SampleOutput:
-    """``temperature=0`` for every row: the first maximal index (or the ``n`` largest),
-    probability 1, from block maxima alone (plus the minimum for probabilities).
-    ``rows_ok`` (``(B,)`` bool, tensor controls in range) flags the other rows invalid."""
-    maxima = block_maxima(source)
-    # The row maximum and the first block holding it (torch.max returns the first index).
-    best, block = maxima.max(-1, keepdim=True)
-    if is_logits:
-        valid = best.isfinite()  # (B, 1); NaN, +inf and an all -inf row are not
-    else:
-        valid = (source.amin(-1, keepdim=True) >= 0) & (best > 0) & (best < math.inf)
-    if rows_ok is not None:
-        valid = valid & rows_ok[:, None]
-    out_dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
-    if num_samples == 1:  # every draw genuine: fewer small ops on the per-token path
-        ids = first_in_block(source, block)[:, None]
-        probability = valid.to(out_dtype)
-        # log(1) = 0 and log(0) = -inf exactly: the log-probability in one op.
-        return SampleOutput(
-            torch.where(valid, ids, 0), probability, valid.squeeze(1), probability.log()
-        )
-    values, ids = top_entries(source, num_samples, maxima)
-    genuine = values > (-math.inf if is_logits else 0.0)
-    ids = repeat_last_genuine(ids, genuine)
-    keep = valid & genuine
-    fallback = torch.arange(num_samples, device=source.device).expand_as(ids)
-    return SampleOutput(
-        torch.where(valid, ids, fallback),
-        keep.to(out_dtype),
-        valid.squeeze(1) & genuine.all(-1),
-        torch.where(keep, 0.0, -math.inf).to(out_dtype),
-    )
-
-
-def _with_top_logprobs(
-    out: SampleOutput,
-    source: Tensor,
-    num_top: int,
-    maxima: Tensor | None,
-    weights_at: Callable[[Tensor], Tensor],
-    total: Tensor,
-    valid: Tensor,
-    greedy: Tensor | None = None,
-) -> SampleOutput:
-    """Attach the ``num_top`` most likely tokens and their processed log-probabilities.
-
-    The kept set is an upper set of the weights, which order like the input values, so the
-    most likely tokens are the largest inputs: one candidate-block pass, no log_softmax.
-    ``weights_at(ids)`` gives the kept weights (normalized by ``total``) at ``ids``.
-    """
-    _, top_ids = top_entries(source, num_top, maxima)
-    kept = weights_at(top_ids).to(torch.float64)
-    logprobs = kept.log() - total.log()[:, None]
-    if greedy is not None:  # a point mass on the first (greedy) token
-        rank = torch.arange(num_top, device=source.device)
-        point = torch.where(rank == 0, 0.0, -math.inf).to(torch.float64)
-        logprobs = torch.where(greedy[:, None], point, logprobs)
-    logprobs = torch.where(valid[:, None], logprobs, -math.inf)
-    return out._replace(top_token_ids=top_ids, top_logprobs=logprobs.to(out.probs.dtype))
+    params = StepParams(
+        batch, vocab, device=source_tensor.device, temperature=temperature, top_k=top_k,
+        top_p=top_p, min_p=min_p, cut_order=cut_order, num_samples=num_samples, seed=seed,
+        stream=stream, top_logprobs=top_logprobs,
+    )  # fmt: skip
+    return sample_step(logits, probs, params, step=step, generator=generator, check=check)

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastsample as fs
-import fastsample.sampling
+import fastsample.stages.draw
 from fastsample.ops import small_top_k
 from fastsample.ops.validation import check_controls
 from fastsample.tools.bench.harness import _cpu_extra_bytes
@@ -133,16 +133,16 @@ def test_bad_tensor_values_flag_their_row_only(name, bad):
 @pytest.mark.parametrize("source", ["logits", "probs"])
 def test_a_tensor_of_zero_temperatures_is_served_as_python_greedy(monkeypatch, source):
     """Every row greedy by a CPU tensor of zeros: one blocked max pass as for ``temperature=0``
-    (sampling._greedy_everywhere), with the general path's outputs bit for bit, bad rows and
+    (stages.draw._greedy_everywhere), with the general path's outputs bit for bit, bad rows and
     out-of-range (or NaN) tensor controls included; top_logprobs still takes the general path."""
     taken = []
-    greedy_everywhere = fastsample.sampling._greedy_everywhere
+    greedy_everywhere = fastsample.stages.draw._greedy_everywhere
 
     def spy(controls):
         taken.append(greedy_everywhere(controls))
         return taken[-1]
 
-    monkeypatch.setattr(fastsample.sampling, "_greedy_everywhere", spy)
+    monkeypatch.setattr(fastsample.stages.draw, "_greedy_everywhere", spy)
     x = row_kinds(1000, seed=5)
     data = {"logits": x} if source == "logits" else {"probs": torch.softmax(x, -1)}
     if source == "probs":
@@ -162,7 +162,7 @@ def test_a_tensor_of_zero_temperatures_is_served_as_python_greedy(monkeypatch, s
         fast = fs.sample(**kwargs)
         assert taken == [True]
         with monkeypatch.context() as patch:
-            patch.setattr(fastsample.sampling, "_greedy_everywhere", lambda controls: False)
+            patch.setattr(fastsample.stages.draw, "_greedy_everywhere", lambda controls: False)
             want = fs.sample(**kwargs)
         assert_same(fast, want, (extra, n))
         assert fast.valid.sum() >= 3

@@ -174,7 +174,7 @@ def _sample(comm: Comm, call: Call) -> SampleOutput:
         greedy_ids = repeat_last_genuine(ids, greedy_genuine)
 
     fallback = torch.arange(n, device=device).expand(batch, n)
-    if controls.all_greedy:  # as fastsample.sampling._all_greedy: nothing random, no weights
+    if controls.all_greedy:  # as fastsample.stages.draw._all_greedy: nothing random, no weights
         assert greedy_ids is not None and greedy_genuine is not None
         keep = finite[:, None] & greedy_genuine
         return SampleOutput(
@@ -243,7 +243,7 @@ def _sample(comm: Comm, call: Call) -> SampleOutput:
         ids = torch.where(greedy[:, None], greedy_ids, ids)
         ok = torch.where(greedy[:, None], greedy_genuine, ok)
 
-    # 4. As fastsample.sampling._finish, on the shared drawn weights and total.
+    # 4. As fastsample.stages.output.finish, on the shared drawn weights and total.
     keep = valid[:, None] & ok
     token_probs = torch.where(keep, weight / total[:, None], 0.0)
     logprobs = torch.where(keep, weight.log() - total.log()[:, None], -math.inf)

@@ -401,7 +401,7 @@ def processed_weights(
     launch and its empty outputs.
 
     Also returns ``top_logprobs``' ``(B, num_top)`` token ids (int64) and log-probabilities
-    (the weights' dtype), as :func:`fastsample.sampling._with_top_logprobs` computes them.
+    (the weights' dtype), as :func:`fastsample.stages.draw._with_top_logprobs` computes them.
     With ``normalized`` the weights come out divided by the total (:func:`fastsample.process`'s
     result: rows summing to 1, invalid rows all zeros); sums and total stay those of before.
     """

@@ -208,10 +208,12 @@ def sample(
     source: UniformSource,
     num_top: int,
 ) -> tuple[Tensor, ...]:
-    """:func:`fastsample.sample` on the Triton backend:
-    the fields of a ``SampleOutput``, ``(token_ids, probs, valid, logprobs)`` and, with
-    ``num_top``, ``top_token_ids, top_logprobs`` (the caller builds the output type, so this
-    layer needs nothing from the one above)."""
+    """:func:`fastsample.sample` on the Triton backend: ``(token_ids, probs, valid, logprobs,
+    top_token_ids, top_logprobs, weights, total)``: the first six are fields of a
+    ``SampleOutput`` (the tops None without ``num_top``; the caller builds the output type, so
+    this layer needs nothing from the one above), then the controls kernel's kept weights
+    (greedy rows as their point masses) and their total, for the logprobs of other tokens
+    (None when every row is greedy and the controls kernel did not run)."""
     data = logits if logits is not None else probs
     assert data is not None
     controls = _unit_stride_controls(controls)
@@ -225,7 +227,7 @@ def sample(
             )
         else:
             ids, p_out, logp_out, valid = greedy_op(data, is_logits, stream)
-        return ids, p_out, valid, logp_out
+        return ids, p_out, valid, logp_out, None, None, None, None
     weights, sums, total, clean, top_ids, top_logp = processed(
         logits, probs, controls, stream, num_top
     )
@@ -251,8 +253,8 @@ def sample(
             weights, sums, total, clean, num_samples, seed, step, stream_rows, stream_value
         )
     if num_top:
-        return ids, p_out, valid, logp_out, top_ids, top_logp
-    return ids, p_out, valid, logp_out
+        return ids, p_out, valid, logp_out, top_ids, top_logp, weights, total
+    return ids, p_out, valid, logp_out, None, None, weights, total
 
 
 def process(logits: Tensor | None, probs: Tensor | None, controls: Controls) -> Tensor:

@@ -1,12 +1,12 @@
 """Greedy sampling in Triton: ``temperature=0``, and greedy rows among several draws.
 
 * :func:`greedy` -- one draw, every row greedy (one launch). Math (as
-  :func:`fastsample.sampling._all_greedy` with ``n = 1``): the token is the first index among
+  :func:`fastsample.stages.draw._all_greedy` with ``n = 1``): the token is the first index among
   the row's maximal entries, with probability 1 (log-probability 0). No weights, no
   randomness: one pass over the row per program (:func:`fastsample.kernels.controls.scan_row`).
 * :func:`several` -- ``n > 1`` draws where rows may be greedy (one launch): a greedy row's
   draws are its ``n`` largest inputs in order, ties by the lower index
-  (:func:`fastsample.sampling._greedy_draws`: the ``T -> 0`` limit of draws without
+  (:func:`fastsample.stages.draw._greedy_draws`: the ``T -> 0`` limit of draws without
   replacement), one pass over the row per draw (:func:`top_entries_tile`: ``n`` reads of a
   greedy row, skipped by programs without one; meant for the small ``n`` of decoding, though
   any ``n <= V`` is exact); a draw is genuine
@@ -106,7 +106,7 @@ def top_entries_tile(src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES: tl.con
                      IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr):  # fmt: skip
     """Greedy draws of a tile of rows: ``(tokens, genuine)``, ``(ROWS, N_PAD)``.
 
-    As :func:`fastsample.sampling._greedy_draws`: the ``NUM_SAMPLES`` largest inputs in order,
+    As :func:`fastsample.stages.draw._greedy_draws`: the ``NUM_SAMPLES`` largest inputs in order,
     ties by the lower index (:func:`fastsample.ops.select.top_entries`; ``-0.0`` equals
     ``0.0``), one pass over the row each (the next entry after the previous one in that
     order, as ``top_logprobs`` in :mod:`.controls`). A slot is genuine where its input is
@@ -150,7 +150,7 @@ def top_entries_tile(src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES: tl.con
 @triton.jit
 def _rows_clean(base, live, vocab, IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr,
                 ROWS: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
-    """:func:`fastsample.sampling._all_greedy`'s row test for a tile of rows (as
+    """:func:`fastsample.stages.draw._all_greedy`'s row test for a tile of rows (as
     :func:`.controls.scan_row`): logits without NaN with a finite maximum; probabilities
     without NaN or negative entries, ``0 < max < inf``."""
     FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32

@@ -4,7 +4,7 @@ Entry points (``@triton.jit``; rows are a ``(ROWS,)`` tile, slots a ``(ROWS, N_P
 
 * :func:`row_counters` -> ``(c1, c2, c3, k0, k1)``: the Philox words of each row from its
   seed/step/stream, however they were given (per-row tensors or one number).
-* :func:`finish` -- the contract of :func:`fastsample.sampling._finish`: drawn tokens'
+* :func:`finish` -- the contract of :func:`fastsample.stages.output.finish`: drawn tokens'
   probabilities ``w / total`` and log-probabilities ``log w - log total`` in float64, stored
   as float32 (float64 for float64 input); bad rows (``clean`` False) get ids ``0..n-1``,
   probability 0, log-probability ``-inf``; ``valid = clean and every slot genuine``. With

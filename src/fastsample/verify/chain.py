@@ -15,6 +15,8 @@ from torch import Tensor
 
 from ..kernels import backend
 from ..ops import validation as v
+from ..stages import StepParams, TokenStats
+from . import targets
 from .acceptance import accept_drafts
 from .checks import (
     VALUE_REASONS,
@@ -48,10 +50,14 @@ class VerifyOutput(NamedTuple):
 
 
 def verify_chain(
-    target_probs: Tensor,
-    draft_token_ids: Tensor,
+    target_probs: Tensor | None = None,
+    draft_token_ids: Tensor | None = None,
     draft_probs: Tensor | None = None,
     *,
+    target_logits: Tensor | None = None,
+    params: StepParams | None = None,
+    state: TokenStats | None = None,
+    token_bitmask: Tensor | None = None,
     draft_lengths: Tensor | int | None = None,
     seed: int | Tensor | None = None,
     step: int | Tensor | None = None,
@@ -75,6 +81,14 @@ def verify_chain(
             position ``i`` predicts draft ``i``, position ``K`` the bonus token. Contiguous
             input avoids a copy.
         draft_token_ids: ``(B, K)`` int64 (or int32), the drafted tokens.
+        target_logits, params, state, token_bitmask: instead of ``target_probs``, the
+            target's raw ``(B, K+1, V)`` logits and the engine step's stages
+            (:func:`fastsample.sample_step`'s ``params`` for the ``B`` requests, their
+            :class:`~fastsample.TokenStats`, and a ``(B, K+1, ceil(V / 32))`` grammar
+            bitmask per position): position ``i`` is processed as the target alone would
+            sample there, the drafts ``x_1..x_i`` counted as emitted (penalties, min-tokens;
+            :mod:`fastsample.verify.targets`). Update ``state`` with the output's
+            ``token_ids`` afterwards.
         draft_probs: ``(B, K, V)`` float: the processed distributions the drafts were drawn
             from (the *same* temperature/top-k/top-p as used for drawing), or None for
             drafts without probabilities (point masses).
@@ -116,6 +130,20 @@ def verify_chain(
         >>> out.token_ids.shape, bool((out.num_emitted == out.num_accepted + 1).all())
         (torch.Size([2, 4]), True)
     """
+    if target_logits is not None or params is not None:
+        if target_probs is not None or target_logits is None or params is None:
+            raise ValueError(
+                "pass target_probs, or target_logits with params (the engine step's stages), "
+                "not both"
+            )
+        if not isinstance(draft_token_ids, Tensor) or draft_token_ids.dim() != 2:
+            raise ValueError("draft_token_ids must be a (batch, K) integer tensor")
+        prefixes = targets.chain_prefixes(draft_token_ids.long())
+        target_probs = targets.processed_positions(
+            target_logits, prefixes, params, state, token_bitmask
+        )
+    elif state is not None or token_bitmask is not None:
+        raise ValueError("state and token_bitmask go with target_logits and params")
     p = check_probs(target_probs, "target_probs", "(batch, K+1, vocab)")
     batch, positions = p.shape[:2]
     if positions < 1:

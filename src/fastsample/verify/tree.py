@@ -19,6 +19,8 @@ from torch import Tensor
 
 from ..kernels import backend
 from ..ops import validation as v
+from ..stages import StepParams, TokenStats
+from . import targets
 from .acceptance import accept_child, accept_sibling, next_coefficient
 from .checks import (
     INT_DTYPES,
@@ -214,10 +216,14 @@ def _device_structure(parents: Tensor, batch: int) -> _Structure:
 
 
 def verify_tree(
-    target_probs: Tensor,
-    tree: TokenTree,
+    target_probs: Tensor | None = None,
+    tree: TokenTree | None = None,
     draft_probs: Tensor | None = None,
     *,
+    target_logits: Tensor | None = None,
+    params: StepParams | None = None,
+    state: TokenStats | None = None,
+    token_bitmask: Tensor | None = None,
     seed: int | Tensor | None = None,
     step: int | Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -245,6 +251,9 @@ def verify_tree(
         target_probs: ``(B, N, V)`` float: the target's processed next-token distribution
             after each node's path (tree attention), rows summing to 1; node 0 is the root.
         tree: a :class:`TokenTree` ``(token_ids (B, N), parents, num_nodes=None)``.
+        target_logits, params, state, token_bitmask: instead of ``target_probs``, the raw
+            ``(B, N, V)`` logits and the engine step's stages, as in :func:`verify_chain`:
+            node ``n`` counts the tokens on its path from the root as emitted.
         draft_probs: ``(B, N, V)`` float or None. Row ``n`` is the distribution node ``n``'s
             children were drawn from, without replacement (rows of leaves are not read), so
             siblings are distinct: a row repeating a sibling's token is invalid (mode b only).
@@ -280,6 +289,20 @@ def verify_tree(
         >>> out.token_ids.shape, out.num_emitted.tolist() == (out.num_accepted + 1).tolist()
         (torch.Size([2, 4]), True)
     """
+    if target_logits is not None or params is not None:
+        if target_probs is not None or target_logits is None or params is None:
+            raise ValueError(
+                "pass target_probs, or target_logits with params (the engine step's stages), "
+                "not both"
+            )
+        if not isinstance(tree, TokenTree):
+            raise TypeError(f"tree must be a fastsample.TokenTree, got {type(tree).__name__}")
+        prefixes = targets.tree_prefixes(tree.token_ids.long(), tree.parents)
+        target_probs = targets.processed_positions(
+            target_logits, prefixes, params, state, token_bitmask
+        )
+    elif state is not None or token_bitmask is not None:
+        raise ValueError("state and token_bitmask go with target_logits and params")
     p = check_probs(target_probs, "target_probs", "(batch, nodes, vocab)")
     batch, n = p.shape[:2]
     device = p.device

@@ -1,0 +1,275 @@
+"""Per-request token statistics for the penalties, kept on the device between steps.
+
+:class:`TokenStats` holds, for each request (row) of a batch:
+
+* ``prompt_mask`` ``(B, ceil(V / 32))`` int32: the tokens of its prompt, one bit each
+  (:mod:`fastsample.ops.bitmask`'s layout);
+* ``output_counts`` ``(B, V)``: how often it has emitted each token, in the narrowest integer
+  type that holds ``max_output_tokens`` exactly (uint8 up to 255, int16 up to 32,767, else
+  int32);
+* ``seen_mask`` ``(B, ceil(V / 32))`` int32: ``prompt | output_counts > 0``, the tokens the
+  repetition penalty applies to, kept current by :meth:`TokenStats.update` (it lets the CPU
+  path visit only the seen tokens, and a kernel read one bit instead of a count and a bit);
+* ``output_len`` ``(B,)`` int64: tokens emitted so far (min-tokens reads it).
+
+Memory per request at ``V = 128,256``: 16,032 bytes per mask, so 32 KiB for the two masks,
+plus 125 KiB of uint8 counts (``max_output_tokens <= 255``), 250 KiB of int16 (the default,
+up to 32,767) or 501 KiB of int32. :attr:`TokenStats.bytes_per_request` says it.
+
+Built once per request from its prompt (:meth:`TokenStats.from_prompts`); each step adds the
+emitted tokens with :meth:`~TokenStats.update` (fixed shapes, no host sync, no loop over
+requests: a scatter and a few small ops, or one kernel), including the drafts that
+:func:`fastsample.verify_chain` / :func:`fastsample.verify_tree` accepted (pass their
+``token_ids``: ``-1`` marks nothing). Rows follow the batch as requests come and go:
+:meth:`~TokenStats.select` (reorder, drop, repeat), :meth:`~TokenStats.cat` (append) and
+:meth:`~TokenStats.assign` (a new request into a freed row, in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..ops import bitmask
+
+
+def counts_dtype(max_output_tokens: int) -> torch.dtype:
+    """The narrowest integer type holding every count up to ``max_output_tokens`` exactly."""
+    if isinstance(max_output_tokens, bool) or not isinstance(max_output_tokens, int):
+        raise TypeError(f"max_output_tokens must be an int, got {type(max_output_tokens).__name__}")
+    if max_output_tokens < 0:
+        raise ValueError(f"max_output_tokens must be >= 0, got {max_output_tokens}")
+    if max_output_tokens <= 255:
+        return torch.uint8
+    if max_output_tokens <= 32767:
+        return torch.int16
+    if max_output_tokens <= 2**31 - 1:
+        return torch.int32
+    raise ValueError(f"max_output_tokens must be below 2**31, got {max_output_tokens}")
+
+
+def padded_ids(
+    rows: Sequence[Sequence[int] | None] | Tensor, device: torch.device | str | None, name: str
+) -> Tensor:
+    """``(B, L)`` int64 ids from a list of per-row sequences (None = empty), padded with -1; a
+    tensor is checked (2-D, integer) and returned as int64."""
+    if isinstance(rows, Tensor):
+        if rows.dim() != 2 or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be a (batch, length) integer tensor padded with -1, got "
+                f"{rows.dtype} of shape {tuple(rows.shape)}"
+            )
+        return rows.to(device=device, dtype=torch.int64) if device is not None else rows.long()
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
+        raise TypeError(f"{name} must be a list of token-id lists (one per row) or a tensor")
+    lists = [list(row) if row is not None else [] for row in rows]
+    for b, row in enumerate(lists):
+        for token in row:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise TypeError(f"{name}[{b}] must hold Python ints, got {type(token).__name__}")
+    width = max((len(row) for row in lists), default=0)
+    out = torch.full((len(lists), width), -1, dtype=torch.int64)
+    for b, row in enumerate(lists):
+        if row:
+            out[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return out.to(device) if device is not None else out
+
+
+class TokenStats:
+    """Which tokens each request has seen, and how often it emitted each: the penalties'
+    state (see the module docstring for the layout and its memory)."""
+
+    def __init__(
+        self,
+        prompt_mask: Tensor,
+        output_counts: Tensor,
+        output_len: Tensor,
+        seen_mask: Tensor,
+        max_output_tokens: int,
+    ) -> None:
+        batch, vocab = output_counts.shape
+        words = bitmask.words_for(vocab)
+        for name, mask in (("prompt_mask", prompt_mask), ("seen_mask", seen_mask)):
+            if mask.dtype != torch.int32 or tuple(mask.shape) != (batch, words):
+                raise ValueError(f"{name} must be int32 of shape {(batch, words)}")
+        if output_len.dtype != torch.int64 or tuple(output_len.shape) != (batch,):
+            raise ValueError(f"output_len must be int64 of shape {(batch,)}")
+        self.prompt_mask = prompt_mask
+        self.output_counts = output_counts
+        self.output_len = output_len
+        self.seen_mask = seen_mask
+        self.max_output_tokens = max_output_tokens
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_prompts(
+        cls,
+        prompts: Sequence[Sequence[int] | None] | Tensor,
+        vocab: int,
+        *,
+        device: torch.device | str | None = None,
+        max_output_tokens: int = 32767,
+        outputs: Sequence[Sequence[int] | None] | Tensor | None = None,
+    ) -> TokenStats:
+        """The statistics of requests that start now, from their prompts.
+
+        Args:
+            prompts: one token-id sequence per request (a list of lists), or a ``(B, L)``
+                integer tensor padded with ``-1``. Ids outside ``[0, vocab)`` are ignored.
+            vocab: the vocabulary size ``V``.
+            device: where the state lives (the logits' device); default: the tensor's, or CPU.
+            max_output_tokens: the most tokens any request will emit: it sets the counts'
+                integer type (uint8 up to 255, int16 up to 32,767, int32 beyond). Counts stop
+                at the type's largest value.
+            outputs: tokens already emitted (a request resumed elsewhere), same forms.
+
+        Example:
+            >>> stats = TokenStats.from_prompts([[5, 6, 6], [1]], vocab=10, max_output_tokens=100)
+            >>> stats.update(torch.tensor([[7], [-1]]))
+            >>> stats.output_counts[0, 7].item(), stats.output_len.tolist()
+            (1, [1, 0])
+        """
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(f"vocab must be a positive int, got {vocab!r}")
+        dtype = counts_dtype(max_output_tokens)
+        if device is None and isinstance(prompts, Tensor):
+            device = prompts.device
+        ids = padded_ids(prompts, device, "prompts")
+        batch = ids.shape[0]
+        prompt_mask = bitmask.from_ids(ids, vocab)
+        stats = cls(
+            prompt_mask,
+            torch.zeros(batch, vocab, dtype=dtype, device=ids.device),
+            torch.zeros(batch, dtype=torch.int64, device=ids.device),
+            prompt_mask.clone(),
+            max_output_tokens,
+        )
+        if outputs is not None:
+            emitted = padded_ids(outputs, ids.device, "outputs")
+            if emitted.shape[0] != batch:
+                raise ValueError(f"outputs has {emitted.shape[0]} rows, prompts {batch}")
+            stats.update(emitted)
+        return stats
+
+    @classmethod
+    def empty(
+        cls, batch: int, vocab: int, *, device=None, max_output_tokens: int = 32767
+    ) -> TokenStats:
+        """Statistics of ``batch`` requests with empty prompts and nothing emitted."""
+        return cls.from_prompts(
+            torch.empty(batch, 0, dtype=torch.int64, device=device), vocab,
+            max_output_tokens=max_output_tokens,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def batch(self) -> int:
+        return self.output_counts.shape[0]
+
+    @property
+    def vocab(self) -> int:
+        return self.output_counts.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.output_counts.device
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Device memory one request takes: two masks, its counts and its length."""
+        words = bitmask.words_for(self.vocab)
+        return 2 * 4 * words + self.output_counts.element_size() * self.vocab + 8
+
+    # ------------------------------------------------------------------ each step
+
+    def update(self, token_ids: Tensor) -> None:
+        """Add the tokens each request just emitted, in place: ``(B, n)`` int64, entries outside
+        ``[0, V)`` (``-1`` padding, as ``verify_chain``'s ``token_ids`` after the emitted ones)
+        add nothing. Fixed shapes, no host sync."""
+        if not isinstance(token_ids, Tensor) or token_ids.dim() != 2:
+            raise ValueError("token_ids must be a (batch, n) int64 tensor")
+        if token_ids.shape[0] != self.batch:
+            raise ValueError(f"token_ids has {token_ids.shape[0]} rows, the stats {self.batch}")
+        if token_ids.device != self.device:
+            raise ValueError(f"token_ids is on {token_ids.device}, the stats on {self.device}")
+        if token_ids.shape[1] == 0:
+            return
+        vocab = self.vocab
+        inside = (token_ids >= 0) & (token_ids < vocab)
+        ids = torch.where(inside, token_ids, 0)
+        # Each touched count becomes its value plus its occurrences among this step's tokens,
+        # capped at the type's largest value (max_output_tokens says it is never reached).
+        # Every entry naming the same column computes the same number, padding included (it
+        # names column 0 and adds the real zeros' occurrences), so the scatter is exact.
+        occurrences = ((ids[:, :, None] == ids[:, None, :]) & inside[:, None, :]).sum(-1)
+        counts = self.output_counts
+        top = torch.iinfo(counts.dtype).max
+        new = (counts.gather(1, ids).to(torch.int64) + occurrences).clamp_(max=top)
+        counts.scatter_(1, ids, new.to(counts.dtype))
+        self.output_len += inside.sum(-1)
+        self._refresh_seen(ids)
+
+    def _refresh_seen(self, ids: Tensor) -> None:
+        """Recompute the seen words holding ``ids``: prompt bits or a nonzero count."""
+        words = ids // bitmask.WORD_BITS
+        lanes = torch.arange(bitmask.WORD_BITS, device=ids.device)
+        columns = words[..., None] * bitmask.WORD_BITS + lanes  # (B, n, 32)
+        inside = columns < self.vocab
+        flat = columns.clamp_max(self.vocab - 1).flatten(1)
+        emitted = (self.output_counts.gather(1, flat) > 0).view(columns.shape) & inside
+        prompt = bitmask.unpack(self.prompt_mask.gather(1, words), 32 * words.shape[1])
+        bitmask.refresh_words(self.seen_mask, words, emitted | prompt.view(columns.shape))
+
+    # ------------------------------------------------------------------ batch composition
+
+    def select(self, rows: Tensor | Sequence[int]) -> TokenStats:
+        """A new state with rows ``rows`` of this one (reorder, drop, repeat)."""
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        return TokenStats(
+            self.prompt_mask.index_select(0, index),
+            self.output_counts.index_select(0, index),
+            self.output_len.index_select(0, index),
+            self.seen_mask.index_select(0, index),
+            self.max_output_tokens,
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[TokenStats]) -> TokenStats:
+        """The rows of ``parts`` one after the other (requests joining the batch)."""
+        if not parts:
+            raise ValueError("cat needs at least one TokenStats")
+        vocab = parts[0].vocab
+        if any(p.vocab != vocab for p in parts):
+            raise ValueError("TokenStats.cat: the vocabularies differ")
+        widest = max(parts, key=lambda p: p.output_counts.element_size())
+        dtype = widest.output_counts.dtype
+        return TokenStats(
+            torch.cat([p.prompt_mask for p in parts]),
+            torch.cat([p.output_counts.to(dtype) for p in parts]),
+            torch.cat([p.output_len for p in parts]),
+            torch.cat([p.seen_mask for p in parts]),
+            max(p.max_output_tokens for p in parts),
+        )
+
+    def assign(self, rows: Tensor | Sequence[int], other: TokenStats) -> None:
+        """Overwrite rows ``rows`` with ``other``'s rows, in place (new requests in freed
+        rows); ``other`` has one row per entry of ``rows`` and a type of counts that fits."""
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        if other.vocab != self.vocab or other.batch != index.numel():
+            raise ValueError("assign: other must have one row per index and the same vocab")
+        if other.output_counts.element_size() > self.output_counts.element_size():
+            raise ValueError("assign: other's counts need a wider type than this state's")
+        self.prompt_mask.index_copy_(0, index, other.prompt_mask)
+        self.output_counts.index_copy_(0, index, other.output_counts.to(self.output_counts.dtype))
+        self.output_len.index_copy_(0, index, other.output_len)
+        self.seen_mask.index_copy_(0, index, other.seen_mask)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenStats(batch={self.batch}, vocab={self.vocab}, counts="
+            f"{self.output_counts.dtype}, device={self.device})"
+        )

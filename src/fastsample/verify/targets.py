@@ -1,0 +1,94 @@
+"""The target's distributions at every draft position, through the engine step's stages.
+
+Speculative decoding is exact when the target distribution at each position is the one the
+target alone would sample from there. With the engine step's stages
+(:mod:`fastsample.stages`) that distribution depends on what was emitted before: at chain
+position ``i`` (or tree node ``n``) the drafts before it count as emitted tokens, for the
+penalties (output counts, seen tokens) and for min-tokens (the output length), as vLLM's
+rejection sampler counts them. So position ``i`` is processed with the request's
+:class:`~fastsample.stages.TokenStats` plus the tokens ``x_1..x_i`` (a tree node: the tokens on
+its path from the root), and the request's :class:`~fastsample.stages.StepParams`.
+
+All positions go through :func:`fastsample.stages.process_step` at once, as a
+``(B * positions, V)`` batch whose rows map to their request's statistics (no copy of the
+state), with the drafts before each position as its extra tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..stages import StepParams, TokenStats, process_step
+
+
+def _flat_bitmask(token_bitmask: Tensor | None, batch: int, positions: int) -> Tensor | None:
+    if token_bitmask is None:
+        return None
+    if token_bitmask.dim() != 3 or tuple(token_bitmask.shape[:2]) != (batch, positions):
+        raise ValueError(
+            f"token_bitmask for verification must be (batch, positions, words) = "
+            f"({batch}, {positions}, ceil(V / 32)), got {tuple(token_bitmask.shape)}"
+        )
+    return token_bitmask.flatten(0, 1)
+
+
+def processed_positions(
+    target_logits: Tensor,
+    prefixes: Tensor,
+    params: StepParams,
+    state: TokenStats | None,
+    token_bitmask: Tensor | None,
+) -> Tensor:
+    """``(B, P, V)`` processed distributions of ``(B, P, V)`` logits, position ``j`` of row ``b``
+    counting ``prefixes[b, j]`` (``(B, P, E)`` int64, -1 = none) as already emitted."""
+    if not isinstance(target_logits, Tensor) or target_logits.dim() != 3:
+        raise ValueError("target_logits must be a (batch, positions, vocab) tensor")
+    batch, positions, vocab = target_logits.shape
+    if not isinstance(params, StepParams) or (params.batch, params.vocab) != (batch, vocab):
+        raise ValueError(
+            f"params must be a StepParams built for the requests: ({batch}, {vocab})"
+        )
+    rows = torch.arange(batch, device=target_logits.device).repeat_interleave(positions)
+    probs = process_step(
+        target_logits.reshape(batch * positions, vocab),
+        params.repeat_rows(positions),
+        state=state,
+        token_bitmask=_flat_bitmask(token_bitmask, batch, positions),
+        rows=rows,
+        extra=prefixes.reshape(batch * positions, -1),
+    )
+    return probs.view(batch, positions, vocab)
+
+
+def chain_prefixes(draft_token_ids: Tensor) -> Tensor:
+    """``(B, K+1, K)``: position ``i`` holds ``x_1..x_i``, then -1."""
+    k = draft_token_ids.shape[1]
+    device = draft_token_ids.device
+    upto = torch.arange(k + 1, device=device)[:, None] > torch.arange(k, device=device)
+    return torch.where(upto, draft_token_ids[:, None, :], -1)
+
+
+def tree_prefixes(token_ids: Tensor, parents: Sequence[int] | Tensor) -> Tensor:
+    """``(B, N, N)``: node ``n`` holds the tokens on its path from the root (the root's own
+    token excluded: it is already in the sequence), deepest first, then -1."""
+    batch, n = token_ids.shape
+    device = token_ids.device
+    if isinstance(parents, Tensor):
+        parent = parents.long().expand(batch, n)
+    else:
+        parent = torch.tensor(list(parents), dtype=torch.int64, device=device).expand(batch, n)
+    nodes = torch.arange(n, device=device)
+    # Malformed entries (and the root) end the walk: the verifier flags such rows anyway.
+    parent = torch.where((parent >= 0) & (parent < nodes), parent, -1)
+    current = nodes.expand(batch, n)
+    steps = []
+    for _ in range(n - 1):  # a path has at most N - 1 nodes below the root
+        inside = current > 0
+        steps.append(torch.where(inside, token_ids.gather(1, current.clamp_min(0)), -1))
+        current = torch.where(inside, parent.gather(1, current.clamp_min(0)), -1)
+    if not steps:
+        return torch.full((batch, n, 0), -1, dtype=torch.int64, device=device)
+    return torch.stack(steps, -1)

@@ -1,0 +1,166 @@
+"""Speculative decoding with the engine step's stages: exact with penalties.
+
+``verify_chain(target_logits=..., params=..., state=...)`` processes the target at position
+``i`` with the drafts before it counted as emitted (penalties, min-tokens), as the target
+alone would sample there. The test: a bigram target with repetition, frequency and presence
+penalties, a logit bias and a temperature; a draft model proposing K = 2 tokens; the joint law
+of the first two emitted tokens (from one round when it emits two, else from a second round
+after updating the statistics with the first) equals sampling twice from the penalized target
+alone, in float64 (tests/stage_reference.py), at 2% (36 pairs). Negative control at the same
+size: the law in which the second token's penalties ignore the first (what a verifier that
+processed every position with the request's statistics alone would approach) is rejected.
+``verify_tree`` takes the same stages; its node prefixes (the path from the root) are checked
+against the chain's on a chain-shaped tree, bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import fastsample as fs
+from fastsample.verify import targets
+from stage_reference import Row, step_probs
+from stattests import LawCase, assert_law, draws_needed, law_rejected
+
+V, K = 6, 2
+CLAIM = 0.02
+CHUNK = 200_000
+PROMPT = [0, 0, 3]
+ROW = dict(repetition=1.5, frequency=0.6, presence=0.3, bias={1: 0.8}, temperature=0.9)
+_gen = np.random.default_rng(17)
+TARGET = _gen.normal(size=(V, V)) * 1.5  # target logits after each token
+DRAFT = TARGET + _gen.normal(size=(V, V)) * 0.8  # a close draft model
+
+
+def target_law(outputs: list[int]) -> np.ndarray:
+    last = outputs[-1] if outputs else PROMPT[-1]
+    return step_probs(TARGET[last], Row(prompt=PROMPT, outputs=outputs, **ROW))
+
+
+@functools.cache
+def joint_law(ignore_first: bool = False) -> np.ndarray:
+    first = target_law([])
+    pairs = np.zeros((V, V))
+    for t in range(V):
+        second = step_probs(TARGET[t], Row(prompt=PROMPT, outputs=[] if ignore_first else [t],
+                                           **ROW))  # fmt: skip
+        pairs[t] = first[t] * second
+    return pairs.ravel()
+
+
+DRAWS = draws_needed(joint_law(), CLAIM)
+
+
+def params_for(rows: int) -> fs.StepParams:
+    return fs.StepParams(
+        rows, V, temperature=ROW["temperature"], repetition_penalty=ROW["repetition"],
+        frequency_penalty=ROW["frequency"], presence_penalty=ROW["presence"],
+        logit_bias=(torch.tensor([[1]]).expand(rows, 1), torch.tensor([[0.8]]).expand(rows, 1)),
+    )  # fmt: skip
+
+
+def one_round(last, params, stats, gen):
+    target = torch.tensor(TARGET, dtype=torch.float32)
+    draft = torch.softmax(torch.tensor(DRAFT, dtype=torch.float32), -1)
+    drafts, q, token = [], [], last
+    for _ in range(K):
+        row = draft[token]
+        token = fs.sample_from_probs(row, generator=gen).token_ids[:, 0]
+        drafts.append(token)
+        q.append(row)
+    drafts_t = torch.stack(drafts, 1)
+    logits = target[torch.cat((last[:, None], drafts_t), 1)]  # (B, K+1, V)
+    return fs.verify_chain(draft_token_ids=drafts_t, draft_probs=torch.stack(q, 1),
+                           target_logits=logits, params=params, state=stats, generator=gen)
+
+
+def first_two_tokens(rows: int, offset: int) -> np.ndarray:
+    params = params_for(rows)
+    stats = fs.TokenStats.from_prompts([PROMPT], V).select([0] * rows)
+    gen = torch.Generator().manual_seed(offset)  # drafts and verifier: independent draws
+    last = torch.full((rows,), PROMPT[-1])
+    out = one_round(last, params, stats, gen)
+    assert out.valid.all()
+    first = out.token_ids[:, 0]
+    stats.update(first[:, None])  # the second round starts after the first token only
+    again = one_round(first, params, stats, gen)
+    second = torch.where(out.num_emitted >= 2, out.token_ids[:, 1], again.token_ids[:, 0])
+    return (first * V + second).numpy()
+
+
+def test_chain_with_penalties_keeps_the_target_law_of_two_tokens():
+    counts = np.zeros(V * V, dtype=np.int64)
+    done = 0
+    with torch.inference_mode():
+        while done < DRAWS:
+            rows = min(CHUNK, DRAWS - done)
+            counts += np.bincount(first_two_tokens(rows, done), minlength=V * V)
+            done += rows
+    assert_law(counts, joint_law(), what="verify_chain with penalties")
+    assert law_rejected(counts, joint_law(ignore_first=True))
+
+
+def test_chain_positions_count_the_drafts_before_them():
+    """Position i's distribution is process_step with x_1..x_i emitted (bitwise)."""
+    rows = 3
+    stats = fs.TokenStats.from_prompts([PROMPT] * rows, V)
+    drafts = torch.tensor([[1, 2], [4, 4], [0, 5]])
+    logits = torch.randn(rows, K + 1, V)
+    got = targets.processed_positions(logits, targets.chain_prefixes(drafts), params_for(rows),
+                                      stats, None)  # fmt: skip
+    for b in range(rows):
+        for i in range(K + 1):
+            alone = fs.TokenStats.from_prompts([PROMPT], V, outputs=[drafts[b, :i].tolist()])
+            want = fs.process_step(logits[b, i][None], params_for(1), state=alone)
+            assert torch.equal(got[b, i], want[0]), (b, i)
+
+
+def test_tree_prefixes_follow_the_paths():
+    tokens = torch.tensor([[9, 1, 2, 3, 4]])
+    parents = [-1, 0, 0, 1, 3]  # node 4's path: 1, 3, 4 (the root's token is not counted)
+    got = targets.tree_prefixes(tokens, parents)[0]
+    paths = [sorted(t for t in row.tolist() if t >= 0) for row in got]
+    assert paths == [[], [1], [2], [1, 3], [1, 3, 4]]
+    assert torch.equal(targets.tree_prefixes(tokens, torch.tensor(parents)), got[None])
+    # A chain-shaped tree gives the chain's prefixes (as sets).
+    chain = targets.chain_prefixes(torch.tensor([[1, 3, 4]]))[0]
+    assert [sorted(t for t in r.tolist() if t >= 0) for r in chain] == [
+        [], [1], [1, 3], [1, 3, 4]
+    ]
+
+
+def test_tree_with_stages_matches_probs_processed_by_hand():
+    rows, n = 2, 4
+    parents = [-1, 0, 0, 1]
+    tokens = torch.tensor([[3, 1, 2, 5], [3, 0, 4, 4]])
+    stats = fs.TokenStats.from_prompts([PROMPT] * rows, V)
+    logits = torch.randn(rows, n, V)
+    prefixes = targets.tree_prefixes(tokens, parents)
+    probs = targets.processed_positions(logits, prefixes, params_for(rows), stats, None)
+    tree = fs.TokenTree(tokens, parents)
+    seed = torch.tensor([5, 6])
+    by_hand = fs.verify_tree(probs, tree, seed=seed)
+    staged = fs.verify_tree(tree=tree, target_logits=logits, params=params_for(rows),
+                            state=stats, seed=seed)  # fmt: skip
+    for a, b in zip(by_hand, staged, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_combinations_raise():
+    probs = torch.softmax(torch.randn(1, 2, V), -1)
+    with pytest.raises(ValueError, match="not both"):
+        fs.verify_chain(probs, torch.tensor([[1]]), target_logits=probs, params=params_for(1))
+    with pytest.raises(ValueError, match="state and token_bitmask go with"):
+        fs.verify_chain(probs, torch.tensor([[1]]), state=fs.TokenStats.empty(1, V))
+    with pytest.raises(ValueError, match="penalties and min-tokens need state"):
+        fs.verify_chain(draft_token_ids=torch.tensor([[1]]), target_logits=probs,
+                        params=params_for(1))  # fmt: skip
+
+
+def law_cases():
+    yield LawCase(f"verify_chain with penalties: first two tokens (V={V})", joint_law(),
+                  DRAWS, CLAIM)  # fmt: skip
