@@ -1,0 +1,246 @@
+"""The draws on their boundaries, with uniforms we choose: exact token ids, no statistics.
+
+The law tests draw random uniforms, which almost surely never sit on a boundary; these tests
+put them there. The documented rule of the blocked inverse CDF: with ``t = min(u * total,
+nextafter(total, 0))``, the block is the first ``j`` with ``P_j > t`` and, inside it, the entry
+is the first ``i`` with ``c_i > t'``. So ``u = 0`` picks the first positive entry (never a
+leading zero, a zero neighbour or a zero block), ``u`` exactly on a prefix sum picks the next
+positive entry, and ``u`` just below 1 picks the last positive entry (never a trailing zero).
+Dyadic weights make ``u * total == P_j`` exact; subnormal float64 weights (units of
+``2**-1074``) make ``u * total`` round onto a prefix, or up to the total, for ordinary
+uniforms, which is how the seeded public samplers are driven onto their boundaries.
+
+Covered: ``inverse_cdf_draw`` (block step, in-block step, several draws without
+replacement), ``race_draw`` (noise extremes, rows with fewer positive weights than draws), and
+the public ``sample_from_probs``/``sample`` with the source swapped for a controlled one and,
+on subnormal rows, with seeds.
+
+Mutants these tests were run against (each planted by hand, each caught, then reverted):
+``searchsorted(right=False)`` in the in-block step (the issue's; caught by
+``test_issue_example_u_zero_draws_no_leading_zero``) and in the block step (by
+``test_block_step_boundaries``); the ``nextafter`` clamp of the block target dropped (by
+``test_subnormal_rows_keep_the_target_below_the_total`` and the seeded test); the
+``u == 0`` clamp of ``exponential_from_uniform`` dropped and ``genuine = score >= 0`` in the
+race (by ``test_race_never_draws_zero_weights_at_the_noise_extremes``). Dropping the in-block
+``nextafter`` clamp alone is not caught: with the block target kept below the total, the
+in-block fraction stays below 1 in float64 (the clamp is a guard, not reachable here).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import fastsample as fs
+from fastsample import sampling
+from fastsample.ops import small_top_k
+from fastsample.ops.inverse_cdf import BLOCK, inverse_cdf_draw
+from fastsample.ops.race import race_draw
+from fastsample.ops.seeds import make_source
+from fastsample.ops.validation import check_controls
+from uniforms import (
+    BELOW_ONE,
+    TINY,
+    ControlledUniforms,
+    first_above,
+    on_prefix,
+    subnormal_target,
+)
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+# One block: zero neighbours on both sides of every positive weight, leading and trailing zeros.
+ROW = [0.0, 0.0, 0.5, 0.0, 0.0, 0.25, 0.0, 0.25, 0.0, 0.0]
+
+
+def draw(rows: list[list[float]], uniforms, n: int = 1, dtype=torch.float64):
+    """Token ids and genuine flags of ``inverse_cdf_draw`` with the chosen uniforms."""
+    probs = torch.tensor(rows, dtype=torch.float64).to(dtype)
+    ids, genuine, _ = inverse_cdf_draw(probs, n, ControlledUniforms(uniforms))
+    return ids.tolist(), genuine.tolist()
+
+
+def sparse(vocab: int, entries: dict[int, float]) -> list[float]:
+    row = [0.0] * vocab
+    for j, w in entries.items():
+        row[j] = w
+    return row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_issue_example_u_zero_draws_no_leading_zero(dtype):
+    """The issue's example: p = [0, 0, .5, .5] at u = 0 draws token 2."""
+    assert draw([[0.0, 0.0, 0.5, 0.5]], [[0.0]], dtype=dtype)[0] == [[2]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_block_boundaries(dtype):
+    """One block: u = 0, u on each prefix (a zero entry's prefix equals its predecessor's),
+    u just below 1."""
+    cases = {
+        0.0: 2,
+        on_prefix(ROW, 2): 5,  # t == P_2: the next positive entry, over two zeros
+        on_prefix(ROW, 4): 5,  # the same prefix, reached through the zeros
+        on_prefix(ROW, 5): 7,
+        BELOW_ONE: 7,  # never the trailing zeros
+    }
+    us = list(cases)
+    got, genuine = draw([ROW] * len(us), [[u] for u in us], dtype=dtype)
+    assert [g[0] for g in got] == list(cases.values()) == [first_above(ROW, u) for u in us]
+    assert all(g[0] for g in genuine)
+
+
+# Four blocks, the last one short (V = 808): zero blocks before the first positive one,
+# leading zeros inside it, a positive block whose prefix is crossed exactly, trailing zeros.
+LEADING_ZERO_BLOCKS = sparse(3 * BLOCK + 40, {515: 0.25, 521: 0.25, 770: 0.5})
+# A zero block between two positive ones, and a trailing zero block (V = 1024).
+ZERO_BLOCK_BETWEEN = sparse(4 * BLOCK, {255: 0.5, 512: 0.5})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_step_boundaries(dtype):
+    """The block choice: u = 0 skips the zero blocks, u on a block prefix skips a zero block
+    to the next positive one (P_0 == P_1 == t), u just below 1 stops at the last positive."""
+    cases = [
+        (LEADING_ZERO_BLOCKS, 0.0, 515),
+        (LEADING_ZERO_BLOCKS, on_prefix(LEADING_ZERO_BLOCKS, 515), 521),  # inside block 2
+        (LEADING_ZERO_BLOCKS, on_prefix(LEADING_ZERO_BLOCKS, 600), 770),  # P_2: into block 3
+        (LEADING_ZERO_BLOCKS, BELOW_ONE, 770),
+        (ZERO_BLOCK_BETWEEN, 0.0, 255),
+        (ZERO_BLOCK_BETWEEN, on_prefix(ZERO_BLOCK_BETWEEN, 300), 512),  # P_0 == P_1 == t
+        (ZERO_BLOCK_BETWEEN, BELOW_ONE, 512),
+    ]
+    for row, u, want in cases:
+        assert first_above(row, u) == want  # the documented rule, on the exact prefixes
+        assert draw([row], [[u]], dtype=dtype)[0] == [[want]], (u, want)
+
+
+def units_row(vocab: int, units: dict[int, int]) -> list[float]:
+    return sparse(vocab, {j: m * TINY for j, m in units.items()})
+
+
+def expected_subnormal(row: list[float], u: float) -> int:
+    """First entry whose prefix, counted in units of 2**-1074, exceeds the rounded target."""
+    units = [round(w / TINY) for w in row]
+    target = subnormal_target(units, u)
+    return next(j for j, c in enumerate(itertools.accumulate(units)) if c > target)
+
+
+# Subnormal rows: u * total rounds to whole units, so most uniforms land on a prefix, and for
+# u > 1/2 a one-unit total is reached (then the target is kept one unit below it).
+SUBNORMAL_ROWS = [
+    units_row(10, {1: 1, 4: 1, 7: 2}),
+    units_row(3 * BLOCK - 88, {3: 1}),  # one unit, then two zero blocks
+    units_row(3 * BLOCK - 88, {3: 1, 300: 1, 520: 1, 521: 1}),
+]
+GRID = [i / 16 for i in range(16)] + [BELOW_ONE]
+
+
+def test_subnormal_rows_keep_the_target_below_the_total():
+    for row in SUBNORMAL_ROWS:
+        got, genuine = draw([row] * len(GRID), [[u] for u in GRID])
+        want = [expected_subnormal(row, u) for u in GRID]
+        assert [g[0] for g in got] == want
+        assert all(g[0] for g in genuine)
+        assert {row[j] > 0 for j in want} == {True}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_several_draws_remove_exactly(dtype):
+    """Draws without replacement: a drawn entry (and a block it empties) weighs exactly 0
+    afterwards, so u = 0 moves on to the next positive entry, u on the reduced prefix picks
+    the entry after it, and a row out of positive weights repeats its last genuine draw."""
+    row = [0.0, 0.5, 0.0, 0.25, 0.25, 0.0]
+    assert draw([row], [[0.0, 0.0, 0.0]], 3, dtype) == ([[1, 3, 4]], [[True] * 3])
+    # After 1 is drawn, t = .5 * .5 lies on the prefix of entry 3: entry 4.
+    assert draw([row], [[0.0, 0.5, BELOW_ONE]], 3, dtype)[0] == [[1, 4, 3]]
+    blocks = sparse(3 * BLOCK - 88, {10: 0.5, 520: 0.25, 530: 0.25})
+    assert draw([blocks], [[0.0, 0.0, 0.0]], 3, dtype)[0] == [[10, 520, 530]]  # block 0 emptied
+    assert draw([blocks], [[0.0, 0.5, 0.0]], 3, dtype)[0] == [[10, 530, 520]]
+    assert draw([blocks], [[BELOW_ONE] * 3], 3, dtype)[0] == [[530, 520, 10]]
+    two = [0.0, 0.5, 0.0, 0.5]
+    assert draw([two], [[0.0] * 4], 4, dtype) == ([[1, 3, 3, 3]], [[True, True, False, False]])
+
+
+def test_race_never_draws_zero_weights_at_the_noise_extremes():
+    """Zero weights get the smallest noise (u = 0, E = 2**-54), positive weights the largest
+    (u just below 1): the positive weights still win, in order, and a third draw repeats the
+    last genuine one. All-zero uniforms too."""
+    row = [0.0, 0.5, 0.0, 0.25, 0.0, 0.0]
+    worst = [[BELOW_ONE if w > 0 else 0.0 for w in row]]
+    for entries in (worst, [[0.0] * len(row)]):
+        for dtype in DTYPES:
+            probs = torch.tensor([row], dtype=dtype)
+            ids, genuine = race_draw(probs, 3, ControlledUniforms(entries=entries))
+            assert ids.tolist() == [[1, 3, 3]] and genuine.tolist() == [[True, True, False]]
+
+
+@pytest.fixture
+def controlled(monkeypatch):
+    """Make the public samplers draw from a controlled source: ``controlled(rows, entries)``."""
+
+    def use(rows=None, entries=None) -> ControlledUniforms:
+        source = ControlledUniforms(rows, entries)
+        monkeypatch.setattr(sampling, "make_source", lambda *args: source)
+        return source
+
+    return use
+
+
+def test_public_samplers_with_a_controlled_source(controlled, monkeypatch):
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "torch")
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.5]] * 2)
+    controlled([[0.0], [BELOW_ONE]])
+    out = fs.sample_from_probs(probs, method="inverse_cdf")
+    assert out.token_ids.tolist() == [[2], [3]] and out.probs.tolist() == [[0.5], [0.5]]
+    controlled(entries=[[0.0, 0.0, BELOW_ONE, BELOW_ONE]] * 2)
+    assert fs.sample_from_probs(probs, 2, method="race").token_ids.tolist() == [[2, 3]] * 2
+    # sample: the issue's top-p example keeps token 0 alone, so even u just below 1 draws it.
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    controlled([[BELOW_ONE]])
+    out = fs.sample(logits, top_k=3, top_p=0.5)
+    assert out.token_ids.tolist() == [[0]] and out.probs.tolist() == [[1.0]]
+    # The small-top-k path (logits, Python top_k, V >= 256), -inf neighbours around the kept.
+    wide = torch.full((1, 300), -torch.inf)
+    wide[0, [40, 41, 290, 299]] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    assert small_top_k.applies(wide, check_controls(None, 3, 0.75, None, 1, 300, wide.device))
+    for top_p, u, want in (
+        (0.75, 0.0, 40),
+        (0.75, BELOW_ONE, 41),  # kept: 40 and 41 (the top-p boundary), never 290 or 299
+        (0.875, on_prefix([4, 2, 1, 1], 0), 41),  # all four kept (ties), weights 4, 2, 1, 1
+        (0.875, on_prefix([4, 2, 1, 1], 1), 290),
+        (0.875, BELOW_ONE, 299),
+    ):
+        controlled([[u]])
+        assert fs.sample(wide, top_k=3, top_p=top_p).token_ids.tolist() == [[want]]
+
+
+def test_seeded_sampler_on_subnormal_rows(monkeypatch):
+    """With seeds (nothing injected): on subnormal rows the seeded uniforms land on the
+    boundaries, and every draw is the documented pick for its own uniform."""
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "torch")
+    check_seeded_subnormal_draws(
+        lambda probs, seeds: fs.sample_from_probs(probs, seed=seeds, method="inverse_cdf")
+    )
+
+
+def check_seeded_subnormal_draws(sampler, seeds: int = 24) -> None:
+    """``sampler(probs, seed_tensor)`` on the subnormal rows: each token is the documented pick
+    for the row's DRAW uniform; the seeds hit a prefix, and the total, at least once."""
+    hits = {"prefix": 0, "total": 0}
+    for row in SUBNORMAL_ROWS:
+        seed = torch.arange(seeds, dtype=torch.int64) * 7919 + 17
+        probs = torch.tensor([row] * seeds, dtype=torch.float64)
+        u = make_source(None, seed, None, 0, seeds, probs.device).row_uniforms(1)[:, 0].tolist()
+        out = sampler(probs, seed)
+        want = [expected_subnormal(row, x) for x in u]
+        assert out.token_ids[:, 0].tolist() == want
+        assert out.valid.all()
+        units = [round(w / TINY) for w in row]
+        prefixes = set(itertools.accumulate(units))
+        for x in u:
+            target = subnormal_target(units, x)
+            hits["prefix"] += target in prefixes
+            hits["total"] += x * sum(units) * TINY >= sum(units) * TINY
+    assert hits["prefix"] > 0 and hits["total"] > 0, hits
