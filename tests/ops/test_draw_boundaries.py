@@ -28,30 +28,27 @@ in-block fraction stays below 1 in float64 (the clamp is a guard, not reachable 
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 import fastsample as fs
+from boundary_rows import (
+    LEADING_ZERO_BLOCKS,
+    ROW,
+    SUBNORMAL_ROWS,
+    ZERO_BLOCK_BETWEEN,
+    check_seeded_subnormal_draws,
+    expected_subnormal,
+    sparse,
+)
 from fastsample import sampling
 from fastsample.ops import small_top_k
 from fastsample.ops.inverse_cdf import BLOCK, inverse_cdf_draw
 from fastsample.ops.race import race_draw
-from fastsample.ops.seeds import make_source
 from fastsample.ops.validation import check_controls
-from uniforms import (
-    BELOW_ONE,
-    TINY,
-    ControlledUniforms,
-    first_above,
-    on_prefix,
-    subnormal_target,
-)
+from uniforms import BELOW_ONE, ControlledUniforms, first_above, on_prefix
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
-# One block: zero neighbours on both sides of every positive weight, leading and trailing zeros.
-ROW = [0.0, 0.0, 0.5, 0.0, 0.0, 0.25, 0.0, 0.25, 0.0, 0.0]
 
 
 def draw(rows: list[list[float]], uniforms, n: int = 1, dtype=torch.float64):
@@ -59,13 +56,6 @@ def draw(rows: list[list[float]], uniforms, n: int = 1, dtype=torch.float64):
     probs = torch.tensor(rows, dtype=torch.float64).to(dtype)
     ids, genuine, _ = inverse_cdf_draw(probs, n, ControlledUniforms(uniforms))
     return ids.tolist(), genuine.tolist()
-
-
-def sparse(vocab: int, entries: dict[int, float]) -> list[float]:
-    row = [0.0] * vocab
-    for j, w in entries.items():
-        row[j] = w
-    return row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,13 +81,6 @@ def test_in_block_boundaries(dtype):
     assert all(g[0] for g in genuine)
 
 
-# Four blocks, the last one short (V = 808): zero blocks before the first positive one,
-# leading zeros inside it, a positive block whose prefix is crossed exactly, trailing zeros.
-LEADING_ZERO_BLOCKS = sparse(3 * BLOCK + 40, {515: 0.25, 521: 0.25, 770: 0.5})
-# A zero block between two positive ones, and a trailing zero block (V = 1024).
-ZERO_BLOCK_BETWEEN = sparse(4 * BLOCK, {255: 0.5, 512: 0.5})
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_block_step_boundaries(dtype):
     """The block choice: u = 0 skips the zero blocks, u on a block prefix skips a zero block
@@ -116,28 +99,14 @@ def test_block_step_boundaries(dtype):
         assert draw([row], [[u]], dtype=dtype)[0] == [[want]], (u, want)
 
 
-def units_row(vocab: int, units: dict[int, int]) -> list[float]:
-    return sparse(vocab, {j: m * TINY for j, m in units.items()})
-
-
-def expected_subnormal(row: list[float], u: float) -> int:
-    """First entry whose prefix, counted in units of 2**-1074, exceeds the rounded target."""
-    units = [round(w / TINY) for w in row]
-    target = subnormal_target(units, u)
-    return next(j for j, c in enumerate(itertools.accumulate(units)) if c > target)
-
-
-# Subnormal rows: u * total rounds to whole units, so most uniforms land on a prefix, and for
-# u > 1/2 a one-unit total is reached (then the target is kept one unit below it).
-SUBNORMAL_ROWS = [
-    units_row(10, {1: 1, 4: 1, 7: 2}),
-    units_row(3 * BLOCK - 88, {3: 1}),  # one unit, then two zero blocks
-    units_row(3 * BLOCK - 88, {3: 1, 300: 1, 520: 1, 521: 1}),
-]
+# Uniforms over [0, 1): on the subnormal rows most land on a prefix, those above 1/2 on a
+# one-unit total.
 GRID = [i / 16 for i in range(16)] + [BELOW_ONE]
 
 
 def test_subnormal_rows_keep_the_target_below_the_total():
+    """u * total rounds onto a prefix (the next positive entry is drawn) or, for a one-unit
+    total, up to the total itself (the target is kept below it: never the zero blocks after)."""
     for row in SUBNORMAL_ROWS:
         got, genuine = draw([row] * len(GRID), [[u] for u in GRID])
         want = [expected_subnormal(row, u) for u in GRID]
@@ -223,24 +192,3 @@ def test_seeded_sampler_on_subnormal_rows(monkeypatch):
     check_seeded_subnormal_draws(
         lambda probs, seeds: fs.sample_from_probs(probs, seed=seeds, method="inverse_cdf")
     )
-
-
-def check_seeded_subnormal_draws(sampler, seeds: int = 24) -> None:
-    """``sampler(probs, seed_tensor)`` on the subnormal rows: each token is the documented pick
-    for the row's DRAW uniform; the seeds hit a prefix, and the total, at least once."""
-    hits = {"prefix": 0, "total": 0}
-    for row in SUBNORMAL_ROWS:
-        seed = torch.arange(seeds, dtype=torch.int64) * 7919 + 17
-        probs = torch.tensor([row] * seeds, dtype=torch.float64)
-        u = make_source(None, seed, None, 0, seeds, probs.device).row_uniforms(1)[:, 0].tolist()
-        out = sampler(probs, seed)
-        want = [expected_subnormal(row, x) for x in u]
-        assert out.token_ids[:, 0].tolist() == want
-        assert out.valid.all()
-        units = [round(w / TINY) for w in row]
-        prefixes = set(itertools.accumulate(units))
-        for x in u:
-            target = subnormal_target(units, x)
-            hits["prefix"] += target in prefixes
-            hits["total"] += x * sum(units) * TINY >= sum(units) * TINY
-    assert hits["prefix"] > 0 and hits["total"] > 0, hits

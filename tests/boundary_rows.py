@@ -1,0 +1,76 @@
+"""Rows whose draws and cuts sit exactly on their boundaries, shared by the boundary tests of
+the torch ops, the kernels, verification and vocabulary-parallel sampling.
+
+Dyadic weights make ``u * total`` land exactly on a prefix sum for a chosen ``u``
+(:func:`uniforms.on_prefix`). Subnormal float64 weights (whole units of ``2**-1074``) make
+``u * total`` round to a whole number of units, so ordinary (seeded) uniforms land on a prefix
+or, for a one-unit total and ``u > 1/2``, on the total itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from fastsample.ops.inverse_cdf import BLOCK
+from fastsample.ops.seeds import make_source
+from uniforms import TINY, subnormal_target
+
+
+def sparse(vocab: int, entries: dict[int, float]) -> list[float]:
+    """A row of ``vocab`` zeros with the given entries."""
+    row = [0.0] * vocab
+    for j, w in entries.items():
+        row[j] = w
+    return row
+
+
+# One block: zero neighbours on both sides of every positive weight, leading and trailing zeros.
+ROW = [0.0, 0.0, 0.5, 0.0, 0.0, 0.25, 0.0, 0.25, 0.0, 0.0]
+# Four blocks, the last one short (V = 808): zero blocks before the first positive one,
+# leading zeros inside it, a positive block whose prefix is crossed exactly, trailing zeros.
+LEADING_ZERO_BLOCKS = sparse(3 * BLOCK + 40, {515: 0.25, 521: 0.25, 770: 0.5})
+# A zero block between two positive ones, and a trailing zero block (V = 1024).
+ZERO_BLOCK_BETWEEN = sparse(4 * BLOCK, {255: 0.5, 512: 0.5})
+
+
+def units_row(vocab: int, units: dict[int, int]) -> list[float]:
+    """A float64 row of subnormal weights: ``units[j] * 2**-1074`` at ``j``."""
+    return sparse(vocab, {j: m * TINY for j, m in units.items()})
+
+
+SUBNORMAL_ROWS = [
+    units_row(10, {1: 1, 4: 1, 7: 2}),
+    units_row(3 * BLOCK - 88, {3: 1}),  # one unit, then two zero blocks
+    units_row(3 * BLOCK - 88, {3: 1, 300: 1, 520: 1, 521: 1}),
+]
+
+
+def expected_subnormal(row: list[float], u: float) -> int:
+    """The documented pick on a subnormal row: the first entry whose prefix, in units of
+    ``2**-1074``, exceeds the rounded target (kept one unit below the total)."""
+    units = [round(w / TINY) for w in row]
+    target = subnormal_target(units, u)
+    return next(j for j, c in enumerate(itertools.accumulate(units)) if c > target)
+
+
+def check_seeded_subnormal_draws(sampler: Callable, seeds: int = 24) -> None:
+    """``sampler(probs, seed)`` (one draw, ``seed`` a ``(B,)`` tensor) on each subnormal row:
+    every token is the documented pick for its row's DRAW uniform (purpose DRAW, position 0 of
+    ``(seed, step 0, stream 0)``), and the seeds put some target exactly on a prefix and some
+    ``u * total`` on the total."""
+    on_prefix = on_total = 0
+    seed = torch.arange(seeds, dtype=torch.int64) * 7919 + 17
+    for row in SUBNORMAL_ROWS:
+        probs = torch.tensor([row] * seeds, dtype=torch.float64)
+        u = make_source(None, seed, None, 0, seeds, probs.device).row_uniforms(1)[:, 0].tolist()
+        out = sampler(probs, seed)
+        assert out.token_ids[:, 0].tolist() == [expected_subnormal(row, x) for x in u]
+        assert bool(out.valid.all())
+        units = [round(w / TINY) for w in row]
+        prefixes = set(itertools.accumulate(units))
+        on_prefix += sum(subnormal_target(units, x) in prefixes for x in u)
+        on_total += sum(x * sum(units) * TINY >= sum(units) * TINY for x in u)
+    assert on_prefix > 0 and on_total > 0, (on_prefix, on_total)
