@@ -74,3 +74,47 @@ def check_seeded_subnormal_draws(sampler: Callable, seeds: int = 24) -> None:
         on_prefix += sum(subnormal_target(units, x) in prefixes for x in u)
         on_total += sum(x * sum(units) * TINY >= sum(units) * TINY for x in u)
     assert on_prefix > 0 and on_total > 0, (on_prefix, on_total)
+
+
+# ---------------------------------------------------------------------------- verification
+
+# Chain verification, one draft (K = 1), V = 6; each batch row is one case. Target at the
+# draft position P0, at the bonus position P1; draft Q0. The residual max(P0 - Q0, 0) is
+# [0, .25, 0, 0, .25, 0]: zero where p == 0, p < q (token 2) and p == q (token 3).
+P0 = [0.0, 0.25, 0.25, 0.25, 0.25, 0.0]
+P1 = [0.0, 0.0, 0.5, 0.0, 0.5, 0.0]
+Q0 = [0.25, 0.0, 0.5, 0.25, 0.0, 0.0]
+JUST_BELOW_HALF = 0.5 - 2.0**-54  # the largest uniform below 1/2
+# (draft token, (accept, recovery, bonus) uniforms, emitted tokens) with draft probabilities:
+# accept iff u * q(x) < p(x) (strict); for token 2, p/q = 1/2, so u = 1/2 sits on the boundary.
+CHAIN_WITH_DRAFT = [
+    (2, (0.5, 0.0, 0.0), [1, -1]),  # rejected on the boundary; residual at u = 0
+    (2, (0.5, 0.5, 0.0), [4, -1]),  # the residual's prefix .25 crossed exactly: next positive
+    (2, (0.5, 1.0 - 2.0**-53, 0.0), [4, -1]),  # never the trailing zero
+    (2, (JUST_BELOW_HALF, 0.0, 0.0), [2, 2]),  # accepted; the bonus at u = 0
+    (2, (0.0, 0.0, 0.5), [2, 4]),  # the bonus on P1's prefix .5
+    (2, (0.0, 0.0, 1.0 - 2.0**-53), [2, 4]),
+    (0, (0.0, 0.0, 0.0), [1, -1]),  # p(x) = 0: u = 0 does not accept it
+    (5, (0.0, 0.5, 0.0), [4, -1]),  # p(x) = q(x) = 0: rejected too
+]
+# Without draft probabilities (a point-mass draft): accept iff u < p(x); the rejected token is
+# removed from P0 for the recovery draw.
+CHAIN_WITHOUT_DRAFT = [
+    (1, (0.25, 0.0, 0.0), [2, -1]),  # rejected on the boundary; 1 removed, zeros skipped
+    (1, (0.25, 1.0 - 2.0**-53, 0.0), [4, -1]),
+    (1, (0.25 - 2.0**-55, 0.0, 0.0), [1, 2]),  # just below: accepted
+    (0, (0.0, 0.0, 0.0), [1, -1]),  # p(x) = 0: never accepted
+]
+
+
+def chain_batch(cases: list, with_draft: bool) -> tuple:
+    """``(target (B, 2, V), drafts (B, 1), draft_probs (B, 1, V) or None, uniforms, emitted)``
+    for a list of chain cases; ``uniforms`` are the ``(accept, recovery, bonus)`` columns."""
+    batch = len(cases)
+    p = torch.tensor([P0, P1], dtype=torch.float64).expand(batch, 2, 6).contiguous()
+    q = torch.tensor([Q0], dtype=torch.float64).expand(batch, 1, 6).contiguous()
+    x = torch.tensor([[c[0]] for c in cases])
+    u = torch.tensor([c[1] for c in cases], dtype=torch.float64)
+    uniforms = (u[:, :1].contiguous(), u[:, 1:2].contiguous(), u[:, 2:3].contiguous())
+    emitted = torch.tensor([c[2] for c in cases])
+    return p, x, q if with_draft else None, uniforms, emitted
