@@ -16,7 +16,7 @@ import torch
 
 from fastsample.ops.inverse_cdf import BLOCK
 from fastsample.ops.seeds import make_source
-from uniforms import TINY, subnormal_target
+from uniforms import TINY, first_above, subnormal_target
 
 
 def sparse(vocab: int, entries: dict[int, float]) -> list[float]:
@@ -118,3 +118,26 @@ def chain_batch(cases: list, with_draft: bool) -> tuple:
     uniforms = (u[:, :1].contiguous(), u[:, 1:2].contiguous(), u[:, 2:3].contiguous())
     emitted = torch.tensor([c[2] for c in cases])
     return p, x, q if with_draft else None, uniforms, emitted
+
+
+def chain_block_batch(row: list[float], us: list[float]) -> tuple:
+    """Chain verification whose final draw is an inverse CDF over ``row`` (float64, any
+    length): the draft is token 0 with probability 0 there (always rejected, and removed), and
+    ``us`` are the recovery uniforms. Same tuple as :func:`chain_batch`; the emitted token is
+    the documented pick for each uniform (:func:`uniforms.first_above`)."""
+    assert row[0] == 0
+    batch, vocab = len(us), len(row)
+    p = torch.tensor([row, row], dtype=torch.float64).expand(batch, 2, vocab).contiguous()
+    x = torch.zeros(batch, 1, dtype=torch.int64)
+    zeros = torch.zeros(batch, 1, dtype=torch.float64)
+    recovery = torch.tensor(us, dtype=torch.float64)[:, None]
+    emitted = torch.tensor([[first_above(row, u), -1] for u in us])
+    return p, x, None, (zeros, recovery, zeros.clone()), emitted
+
+
+# The final draw across blocks: a zero block between two positive ones (u = 1/2 on their
+# prefix), and a one-unit subnormal total (u > 1/2 reaches it) followed by two zero blocks.
+CHAIN_BLOCK_ROWS = [
+    (sparse(600, {255: 0.5, 512: 0.5}), [0.0, 0.5, 1.0 - 2.0**-53]),
+    (units_row(3 * BLOCK - 88, {3: 1}), [0.0, 0.5, 0.75, 1.0 - 2.0**-53]),
+]

@@ -23,12 +23,14 @@ import torch
 
 import fastsample as fs
 from boundary_rows import (
+    CHAIN_BLOCK_ROWS,
     CHAIN_WITH_DRAFT,
     CHAIN_WITHOUT_DRAFT,
     LEADING_ZERO_BLOCKS,
     SUBNORMAL_ROWS,
     ZERO_BLOCK_BETWEEN,
     chain_batch,
+    chain_block_batch,
     expected_subnormal,
     sparse,
 )
@@ -57,6 +59,14 @@ def test_chain_boundaries(chosen, with_draft):
     out = fs.verify_chain(p, x, q, generator=torch.Generator())
     assert out.token_ids.tolist() == emitted.tolist()
     assert out.valid.all()
+
+
+def test_chain_final_draw_across_blocks(chosen):
+    for row, us in CHAIN_BLOCK_ROWS:
+        p, x, q, uniforms, emitted = chain_block_batch(row, us)
+        chosen(*uniforms)
+        out = fs.verify_chain(p, x, q, generator=torch.Generator())
+        assert out.token_ids.tolist() == emitted.tolist()
 
 
 def test_tree_siblings_rejected_on_the_boundary(chosen):
