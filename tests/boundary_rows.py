@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 
 from fastsample.ops.inverse_cdf import BLOCK
+from fastsample.ops.noise import exponential_from_uniform
 from fastsample.ops.seeds import make_source
 from uniforms import TINY, first_above, subnormal_target
 
@@ -141,3 +143,34 @@ CHAIN_BLOCK_ROWS = [
     (sparse(600, {255: 0.5, 512: 0.5}), [0.0, 0.5, 1.0 - 2.0**-53]),
     (units_row(3 * BLOCK - 88, {3: 1}), [0.0, 0.5, 0.75, 1.0 - 2.0**-53]),
 ]
+
+
+# ---------------------------------------------------------------------------- the race
+
+# float64 rows at the ends of float64's range: the race's scores p / E underflow to 0 on
+# subnormal weights and overflow to inf near the float64 maximum unless the row is scaled.
+RACE_EXTREME_ROWS = [
+    units_row(8, {1: 1, 3: 1, 6: 3}),
+    sparse(8, {0: 6e307, 2: 6e307, 5: 3e307}),  # total 1.5e308: finite
+]
+
+
+def race_order(row: list[float], noise: list[float], num: int) -> list[int]:
+    """The race's first ``num`` draws by exact rational comparison of ``p_i / E_i`` (largest
+    first, ties to the lower index), positive weights only."""
+    pairs = enumerate(zip(row, noise, strict=True))
+    scores = [(Fraction(p) / Fraction(e), -i) for i, (p, e) in pairs if p > 0]
+    return [-i for _, i in sorted(scores, reverse=True)[:num]]
+
+
+def check_seeded_race(sampler: Callable, seeds: int = 16, num: int = 2) -> None:
+    """``sampler(probs, seed, num)`` -> ``(ids (B, num), valid (B,))`` on RACE_EXTREME_ROWS:
+    every row is valid and its draws are the exact race order for its ENTRY noise."""
+    seed = torch.arange(seeds, dtype=torch.int64) * 7919 + 5
+    for row in RACE_EXTREME_ROWS:
+        probs = torch.tensor([row] * seeds, dtype=torch.float64)
+        source = make_source(None, seed, None, 0, seeds, probs.device)
+        noise = exponential_from_uniform(source.entry_uniforms(0, len(row))).tolist()
+        ids, valid = sampler(probs, seed, num)
+        assert bool(valid.all())
+        assert ids.tolist() == [race_order(row, e, num) for e in noise]

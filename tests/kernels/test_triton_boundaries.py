@@ -45,6 +45,7 @@ from boundary_rows import (
     ZERO_BLOCK_BETWEEN,
     chain_batch,
     chain_block_batch,
+    check_seeded_race,
     check_seeded_subnormal_draws,
     expected_subnormal,
 )
@@ -85,6 +86,20 @@ def test_inverse_cdf_kernel_several_draws_match_the_torch_path(monkeypatch):
         monkeypatch.setenv("FASTSAMPLE_BACKEND", "triton")
         assert torch.equal(ours.token_ids, want.token_ids)
         assert torch.equal(ours.valid, want.valid)
+
+
+def test_race_kernel_on_float64_rows_at_the_ends_of_their_range():
+    """The race kernel scales float64 rows by a power of two as the torch path does: on
+    subnormal rows no score underflows (no zero-weight token, every row valid), near the
+    float64 maximum none overflows; the draws are the exact race order of the ENTRY noise."""
+
+    def race(probs, seed, num):
+        out = fs.sample_from_probs(probs, num, seed=seed, method="race")
+        sample_p, sample_index = fs.fast_sample(probs, num, seed=seed)
+        assert torch.equal(sample_index, out.token_ids) and bool((sample_p > 0).all())
+        return out.token_ids, out.valid
+
+    check_seeded_race(race, seeds=8)
 
 
 def test_kernel_thresholds_on_exact_boundaries():

@@ -11,9 +11,15 @@ Dyadic weights make ``u * total == P_j`` exact; subnormal float64 weights (units
 uniforms, which is how the seeded public samplers are driven onto their boundaries.
 
 Covered: ``inverse_cdf_draw`` (block step, in-block step, several draws without
-replacement), ``race_draw`` (noise extremes, rows with fewer positive weights than draws), and
-the public ``sample_from_probs``/``sample`` with the source swapped for a controlled one and,
-on subnormal rows, with seeds.
+replacement), ``race_draw`` (noise extremes, rows with fewer positive weights than draws,
+float64 rows at the ends of their range), and the public ``sample_from_probs``/``sample``
+with the source swapped for a controlled one and, on subnormal rows, with seeds.
+
+A bug these tests found, fixed beside them: the race divided float64 weights by the noise
+unscaled, so on a row of subnormal weights the scores underflowed to 0 (``fast_sample``
+returned a zero-weight token, ``method="race"`` flagged the row invalid, ~1.6% of seeds on
+two one-unit weights) and weights near the float64 maximum overflowed to ``inf`` (ties won by
+the lower index: ``[6e307, 6e307]``-like rows drew token 0 ~56% of the time).
 
 Mutants these tests were run against (each planted by hand, each caught, then reverted):
 ``searchsorted(right=False)`` in the in-block step (the issue's; caught by
@@ -34,9 +40,11 @@ import torch
 import fastsample as fs
 from boundary_rows import (
     LEADING_ZERO_BLOCKS,
+    RACE_EXTREME_ROWS,
     ROW,
     SUBNORMAL_ROWS,
     ZERO_BLOCK_BETWEEN,
+    check_seeded_race,
     check_seeded_subnormal_draws,
     expected_subnormal,
     sparse,
@@ -143,6 +151,38 @@ def test_race_never_draws_zero_weights_at_the_noise_extremes():
             probs = torch.tensor([row], dtype=dtype)
             ids, genuine = race_draw(probs, 3, ControlledUniforms(entries=entries))
             assert ids.tolist() == [[1, 3, 3]] and genuine.tolist() == [[True, True, False]]
+
+
+def test_race_scores_float64_rows_at_the_ends_of_their_range():
+    """float64 rows of subnormal weights, and of weights near the float64 maximum: scaled by
+    a power of two before the division, the scores neither underflow to 0 (a zero-weight token,
+    draws not genuine) nor overflow to inf (ties won by the lower index)."""
+    tiny = RACE_EXTREME_ROWS[0]  # units 1, 1, 3 at 1, 3, 6
+    # Noise at the extremes: 1 gets the largest (u just below 1), 3 slightly less.
+    entries = [[0.0, BELOW_ONE, 0.0, 1 - 2.0**-52, 0.0, 0.0, BELOW_ONE, 0.0]]
+    ids, genuine = race_draw(
+        torch.tensor([tiny], dtype=torch.float64), 4, ControlledUniforms(entries=entries)
+    )
+    assert ids.tolist() == [[6, 3, 1, 1]] and genuine.tolist() == [[True, True, True, False]]
+    huge = RACE_EXTREME_ROWS[1]  # 6e307 at 0 and 2, 3e307 at 5
+    # Noises .288 and .223 make both 6e307 / E overflow unscaled: 2 must still beat 0.
+    entries = [[0.25, 0.0, 0.2, 0.0, 0.0, 0.5, 0.0, 0.0]]
+    ids, genuine = race_draw(
+        torch.tensor([huge], dtype=torch.float64), 3, ControlledUniforms(entries=entries)
+    )
+    assert ids.tolist() == [[2, 0, 5]] and genuine.tolist() == [[True] * 3]
+
+
+def test_seeded_race_on_float64_rows_at_the_ends_of_their_range(monkeypatch):
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "torch")
+
+    def race(probs, seed, num):
+        out = fs.sample_from_probs(probs, num, seed=seed, method="race")
+        sample_p, sample_index = fs.fast_sample(probs, num, seed=seed)
+        assert torch.equal(sample_index, out.token_ids) and bool((sample_p > 0).all())
+        return out.token_ids, out.valid
+
+    check_seeded_race(race)
 
 
 @pytest.fixture
