@@ -147,11 +147,14 @@ CHAIN_BLOCK_ROWS = [
 
 # ---------------------------------------------------------------------------- the race
 
-# float64 rows at the ends of float64's range: the race's scores p / E underflow to 0 on
-# subnormal weights and overflow to inf near the float64 maximum unless the row is scaled.
+# float64 rows at the ends of float64's range: unscaled, the race's scores p / E underflow to 0
+# on subnormal weights and overflow to inf near the float64 maximum, and a weight far below
+# the row's largest scores 0 (its later draw would not be genuine).
 RACE_EXTREME_ROWS = [
     units_row(8, {1: 1, 3: 1, 6: 3}),
     sparse(8, {0: 6e307, 2: 6e307, 5: 3e307}),  # total 1.5e308: finite
+    sparse(8, {1: 1.0, 6: TINY}),
+    sparse(8, {0: 1e308, 4: 1e-310}),
 ]
 
 

@@ -17,9 +17,11 @@ with the source swapped for a controlled one and, on subnormal rows, with seeds.
 
 A bug these tests found, fixed beside them: the race divided float64 weights by the noise
 unscaled, so on a row of subnormal weights the scores underflowed to 0 (``fast_sample``
-returned a zero-weight token, ``method="race"`` flagged the row invalid, ~1.6% of seeds on
-two one-unit weights) and weights near the float64 maximum overflowed to ``inf`` (ties won by
-the lower index: ``[6e307, 6e307]``-like rows drew token 0 ~56% of the time).
+returned a zero-weight token, ``method="race"`` flagged the row invalid: ~1.6% of seeds on two
+one-unit weights), a weight far below the row's largest could score 0 (``[1, 2**-1074]`` with
+two draws: the second not genuine, the row invalid, whenever its noise exceeds 2, ~13%), and
+weights near the float64 maximum overflowed to ``inf`` (ties won by the lower index: a
+``[8e307, 8e307]`` row drew token 0 56% of the time).
 
 Mutants these tests were run against (each planted by hand, each caught, then reverted):
 ``searchsorted(right=False)`` in the in-block step (the issue's; caught by
@@ -158,7 +160,8 @@ def test_race_scores_float64_rows_at_the_ends_of_their_range():
     a power of two before the division, the scores neither underflow to 0 (a zero-weight token,
     draws not genuine) nor overflow to inf (ties won by the lower index)."""
     tiny = RACE_EXTREME_ROWS[0]  # units 1, 1, 3 at 1, 3, 6
-    # Noise at the extremes: 1 gets the largest (u just below 1), 3 slightly less.
+    # The largest noises (u just below 1) on 1 and 6, slightly less on 3: unscaled, all three
+    # scores underflow to 0.
     entries = [[0.0, BELOW_ONE, 0.0, 1 - 2.0**-52, 0.0, 0.0, BELOW_ONE, 0.0]]
     ids, genuine = race_draw(
         torch.tensor([tiny], dtype=torch.float64), 4, ControlledUniforms(entries=entries)
@@ -174,6 +177,7 @@ def test_race_scores_float64_rows_at_the_ends_of_their_range():
 
 
 def test_seeded_race_on_float64_rows_at_the_ends_of_their_range(monkeypatch):
+    """The public race samplers with seeds: valid rows, positive weights, the exact order."""
     monkeypatch.setenv("FASTSAMPLE_BACKEND", "torch")
 
     def race(probs, seed, num):

@@ -4,14 +4,15 @@ Entry point: :func:`race` (launcher) ``(probs, num_samples, seed, step, stream, 
 
 Math (as :func:`fastsample.ops.race.race_draw`): scores ``s_i = p_i / E_i`` in float64 with
 ``E_i = -log1p(-u_i)``, ``u_i`` the Philox uniform of vocabulary index ``i`` (purpose
-``ENTRY``), so the same counters give the torch path's noise; float64 rows are first scaled
-by the power of two that brings their largest weight into ``[1/2, 1)`` (one more read of the
-row, :func:`fastsample.ops.race.power_of_two_scales`: no score under- or overflows); the
-ordered draws without replacement are the ``n`` largest scores (ties to the lower index). A
-draw is genuine when its score is positive; later slots of a row that ran out of positive
-weights repeat its last genuine draw. Alongside the first draw the same pass takes the float32
-block sums (float64 for float64 input) of :func:`fastsample.ops.inverse_cdf.block_sums`, their
-float64 total and the bad-value flags that decide ``clean`` (no NaN, no negative weight,
+``ENTRY``), so the same counters give the torch path's noise; float64 rows whose largest
+weight is below ``2**-961`` or at least ``2**969`` are first scaled by a power of two (one more
+read of the row, :func:`fastsample.ops.race.power_of_two_scales`: the largest scores neither
+lose precision nor overflow) and a positive weight's score is at least the smallest positive
+float64. The ordered draws without replacement are the ``n`` largest scores (ties to the lower
+index). A draw is genuine when its score is positive; later slots of a row that ran out of
+positive weights repeat its last genuine draw. Alongside the first draw the same pass takes the
+float32 block sums (float64 for float64 input) of :func:`fastsample.ops.inverse_cdf.block_sums`,
+their float64 total and the bad-value flags that decide ``clean`` (no NaN, no negative weight,
 ``0 < total`` and no float32 overflow, a tensor ``stream`` in range).
 
 One program per row (a tile of rows in the interpreter); draw ``k > 0`` makes one more pass
@@ -59,15 +60,15 @@ def _best_in_tile(scores, columns, prev_score, prev_column, best_score, best_col
 
 @triton.jit
 def _power_of_two_scales(peak):
-    """``(up, down) = (2**h1, 2**-h2)`` with ``2**(h1 + h2)`` bringing ``peak`` into ``[1/2, 1)``
-    (1 and 1 for a ``peak`` that is 0, infinite or NaN): the integer steps of
-    :func:`fastsample.ops.race.power_of_two_scales`, on the bit pattern."""
+    """``(up, down) = (2**h1, 2**-h2)`` of :func:`fastsample.ops.race.power_of_two_scales` for
+    the row maxima ``peak``, by the same integer steps on the bit pattern."""
     usable = (peak > 0) & (peak < float("inf"))
     subnormal = ((peak.to(tl.int64, bitcast=True) >> 52) & 0x7FF) == 0
     lifted = tl.where(subnormal, peak * 18446744073709551616.0, peak)  # 2**64: exact
     field = (lifted.to(tl.int64, bitcast=True) >> 52) & 0x7FF
     exponent = field - tl.where(subnormal, 1086, 1022)  # peak = m 2**exponent, m in [.5, 1)
-    n = tl.where(usable, -exponent, 0)
+    n = tl.where(exponent < -960, -exponent, tl.where(exponent > 969, 969 - exponent, 0))
+    n = tl.where(usable, n, 0)
     h1 = n >> 1
     h2 = n - h1
     up = ((h1 + 1023) << 52).to(tl.float64, bitcast=True)
@@ -77,10 +78,13 @@ def _power_of_two_scales(peak):
 
 @triton.jit
 def _scores(x, u, up, down, LOG1P: tl.constexpr, SCALE: tl.constexpr):
-    """Race scores ``p / E`` in float64; scaled rows as ``(p / (E down)) up`` (exact steps)."""
+    """Race scores ``p / E`` in float64; float64 rows as ``(p / (E down)) up`` (exact steps), a
+    positive weight's score at least the smallest positive float64 (as the torch path)."""
     noise = exponential_noise(u, LOG1P)
     if SCALE:
-        return (x.to(tl.float64) / (noise * down)) * up
+        scores = (x.to(tl.float64) / (noise * down)) * up
+        smallest = tl.full(scores.shape, 1, tl.int64).to(tl.float64, bitcast=True)
+        return tl.where((scores == 0) & (x > 0), smallest, scores)
     return x.to(tl.float64) / noise
 
 
@@ -124,7 +128,7 @@ def _race_kernel(
     offsets = tl.arange(0, TILE)[None, :]
     slots = tl.arange(0, N_PAD)[None, :]
 
-    # float64 rows: the power of two that brings the row's largest weight into [1/2, 1).
+    # float64 rows: the power of two that keeps the row's largest scores normal and finite.
     up = tl.full((ROWS, 1), 1.0, tl.float64)
     down = tl.full((ROWS, 1), 1.0, tl.float64)
     if SUM_F64:
