@@ -4,13 +4,16 @@ Entry point: :func:`race` (launcher) ``(probs, num_samples, seed, step, stream, 
 
 Math (as :func:`fastsample.ops.race.race_draw`): scores ``s_i = p_i / E_i`` in float64 with
 ``E_i = -log1p(-u_i)``, ``u_i`` the Philox uniform of vocabulary index ``i`` (purpose
-``ENTRY``), so the same counters give the torch path's noise; the ordered draws without
-replacement are the ``n`` largest scores (ties to the lower index). A draw is genuine when its
-score is positive; later slots of a row that ran out of positive weights repeat its last
-genuine draw. Alongside the first draw the same pass takes the float32 block sums (float64
-for float64 input) of :func:`fastsample.ops.inverse_cdf.block_sums`, their float64 total and
-the bad-value flags that decide ``clean`` (no NaN, no negative weight, ``0 < total`` and no
-float32 overflow, a tensor ``stream`` in range).
+``ENTRY``), so the same counters give the torch path's noise; float64 rows whose largest
+weight is below ``2**-961`` or at least ``2**969`` are first scaled by a power of two (one more
+read of the row, :func:`fastsample.ops.race.power_of_two_scales`: the largest scores neither
+lose precision nor overflow) and a positive weight's score is at least the smallest positive
+float64. The ordered draws without replacement are the ``n`` largest scores (ties to the lower
+index). A draw is genuine when its score is positive; later slots of a row that ran out of
+positive weights repeat its last genuine draw. Alongside the first draw the same pass takes the
+float32 block sums (float64 for float64 input) of :func:`fastsample.ops.inverse_cdf.block_sums`,
+their float64 total and the bad-value flags that decide ``clean`` (no NaN, no negative weight,
+``0 < total`` and no float32 overflow, a tensor ``stream`` in range).
 
 One program per row (a tile of rows in the interpreter); draw ``k > 0`` makes one more pass
 that takes the largest score ranked after draw ``k - 1`` (score descending, index
@@ -56,6 +59,36 @@ def _best_in_tile(scores, columns, prev_score, prev_column, best_score, best_col
 
 
 @triton.jit
+def _power_of_two_scales(peak):
+    """``(up, down) = (2**h1, 2**-h2)`` of :func:`fastsample.ops.race.power_of_two_scales` for
+    the row maxima ``peak``, by the same integer steps on the bit pattern."""
+    usable = (peak > 0) & (peak < float("inf"))
+    subnormal = ((peak.to(tl.int64, bitcast=True) >> 52) & 0x7FF) == 0
+    lifted = tl.where(subnormal, peak * 18446744073709551616.0, peak)  # 2**64: exact
+    field = (lifted.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+    exponent = field - tl.where(subnormal, 1086, 1022)  # peak = m 2**exponent, m in [.5, 1)
+    n = tl.where(exponent < -960, -exponent, tl.where(exponent > 969, 969 - exponent, 0))
+    n = tl.where(usable, n, 0)
+    h1 = n >> 1
+    h2 = n - h1
+    up = ((h1 + 1023) << 52).to(tl.float64, bitcast=True)
+    down = ((1023 - h2) << 52).to(tl.float64, bitcast=True)
+    return up, down
+
+
+@triton.jit
+def _scores(x, u, up, down, LOG1P: tl.constexpr, SCALE: tl.constexpr):
+    """Race scores ``p / E`` in float64; float64 rows as ``(p / (E down)) up`` (exact steps), a
+    positive weight's score at least the smallest positive float64 (as the torch path)."""
+    noise = exponential_noise(u, LOG1P)
+    if SCALE:
+        scores = (x.to(tl.float64) / (noise * down)) * up
+        smallest = tl.full(scores.shape, 1, tl.int64).to(tl.float64, bitcast=True)
+        return tl.where((scores == 0) & (x > 0), smallest, scores)
+    return x.to(tl.float64) / noise
+
+
+@triton.jit
 def _race_kernel(
     probs_ptr,
     batch,
@@ -95,6 +128,20 @@ def _race_kernel(
     offsets = tl.arange(0, TILE)[None, :]
     slots = tl.arange(0, N_PAD)[None, :]
 
+    # float64 rows: the power of two that keeps the row's largest scores normal and finite.
+    up = tl.full((ROWS, 1), 1.0, tl.float64)
+    down = tl.full((ROWS, 1), 1.0, tl.float64)
+    if SUM_F64:
+        peak = tl.zeros((ROWS,), tl.float64)
+        for start in range(0, vocab, TILE):
+            columns = start + offsets.to(tl.int64)
+            x = tl.load(row_base + columns * col_stride, mask=columns < vocab, other=0.0)
+            x = x.to(tl.float64)
+            # NaN (a bad row, whose draws are replaced) is left out of the maximum.
+            peak = tl.maximum(peak, tl.max(tl.where(x == x, x, 0.0), 1))
+        up, down = _power_of_two_scales(peak)
+        up, down = up[:, None], down[:, None]
+
     # Pass 1: block sums (the validity of the row) and the first draw.
     total = tl.zeros((ROWS,), tl.float64)
     bad = tl.zeros((ROWS,), tl.int32)
@@ -113,8 +160,7 @@ def _race_kernel(
         total += block_sum
         bad += tl.sum(((wide < 0) | (wide != wide)).to(tl.int32), 1)
         u = entry_uniforms(start // 2, ROWS, TILE // 2, c1, c2, c3, k0, k1)
-        scores = x.to(tl.float64) / exponential_noise(u, LOG1P)
-        scores = tl.where(inside, scores, -1.0)
+        scores = tl.where(inside, _scores(x, u, up, down, LOG1P, SUM_F64), -1.0)
         best_score, best_column = _best_in_tile(
             scores, columns, first, none, best_score, best_column
         )
@@ -133,7 +179,7 @@ def _race_kernel(
             inside = columns < vocab
             x = tl.load(row_base + columns * col_stride, mask=inside, other=0.0)
             u = entry_uniforms(start // 2, ROWS, TILE // 2, c1, c2, c3, k0, k1)
-            scores = tl.where(inside, x.to(tl.float64) / exponential_noise(u, LOG1P), -1.0)
+            scores = tl.where(inside, _scores(x, u, up, down, LOG1P, SUM_F64), -1.0)
             best_score, best_column = _best_in_tile(
                 scores, columns, previous_score, previous_column, best_score, best_column
             )
