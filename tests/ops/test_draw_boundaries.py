@@ -56,6 +56,7 @@ from fastsample.ops import small_top_k
 from fastsample.ops.inverse_cdf import BLOCK, inverse_cdf_draw
 from fastsample.ops.race import race_draw
 from fastsample.ops.validation import check_controls
+from fastsample.stages import step as stages_step
 from uniforms import BELOW_ONE, ControlledUniforms, first_above, on_prefix
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
@@ -196,6 +197,7 @@ def controlled(monkeypatch):
     def use(rows=None, entries=None) -> ControlledUniforms:
         source = ControlledUniforms(rows, entries)
         monkeypatch.setattr(sampling, "make_source", lambda *args: source)
+        monkeypatch.setattr(stages_step, "make_source", lambda *args: source)  # sample()
         return source
 
     return use
