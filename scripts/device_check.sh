@@ -109,12 +109,16 @@ write_summary() {  # write_summary [final]: the key figures are read once, at th
         echo
         echo "| step | status | seconds | what it measured, or why not |"
         echo "|---|---|---:|---|"
-        for i in "${!NAMES[@]}"; do
-            echo "| ${NAMES[$i]} | ${STATUS[$i]} | ${SECS[$i]} | ${NOTES[$i]} |"
-        done
-        for entry in "${STEPS[@]}"; do
+        for entry in "${STEPS[@]}"; do  # in STEPS order (flashinfer-jit is recorded late)
             name=${entry%%:*}
-            case "$done_steps" in *" $name "*) ;; *) echo "| $name | pending | | not reached yet |" ;; esac
+            case "$done_steps" in
+                *" $name "*)
+                    for i in "${!NAMES[@]}"; do
+                        [ "${NAMES[$i]}" = "$name" ] \
+                            && echo "| $name | ${STATUS[$i]} | ${SECS[$i]} | ${NOTES[$i]} |"
+                    done ;;
+                *) echo "| $name | pending | | not reached yet |" ;;
+            esac
         done
         echo
         echo "## Key figures"
@@ -265,15 +269,15 @@ else
     echo "\$ python3 -c \"\$FI_JIT\"  (budget ${FLASHINFER_JIT_BUDGET_S} s, beside cuda-tests)" > "$LOGS/flashinfer-jit.log"
     ( export PYTHONPATH="$FI_SITE:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST="9.0"
       timeout -k 5 "$FLASHINFER_JIT_BUDGET_S" python3 -c "$FI_JIT" >> "$LOGS/flashinfer-jit.log" 2>&1
-      echo $? > "$LOGS/flashinfer-jit.rc" ) &
+      echo "$? $((SECONDS - JIT_T0))" > "$LOGS/flashinfer-jit.rc" ) &
     JIT_PID=$!
 fi
 
 join_flashinfer_jit() {
     [ -n "$JIT_PID" ] || return
     wait "$JIT_PID"
-    local rc seconds=$((SECONDS - JIT_T0))
-    rc=$(cat "$LOGS/flashinfer-jit.rc" 2>/dev/null || echo 1)
+    local rc seconds  # its own seconds, not the wait's
+    read -r rc seconds < "$LOGS/flashinfer-jit.rc" || { rc=1; seconds=$((SECONDS - JIT_T0)); }
     append_log flashinfer-jit "exit $rc"
     if [ "$rc" = 0 ]; then
         export PYTHONPATH="$FI_SITE:$PYTHONPATH"
