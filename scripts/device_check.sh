@@ -6,11 +6,13 @@
 # writes goes under $OUT, and $OUT/summary.md, rewritten after every step and last of all,
 # lists each step with ran/skipped/failed, its seconds and what it measured.
 #
-# On the GPU machine (device tool), from a checkout here:
-#   1. optional, for the FlashInfer rows: python scripts/flashinfer_carry.py
-#      (downloads flashinfer-python 0.7.4, keeps what its sampling kernels need: .whl/,
-#      ~18 MiB; without .whl the run measures without FlashInfer and says so)
-#   2. run(command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=390)
+# How to run it:
+#   1. here, with the network, for the FlashInfer rows (optional):
+#      python scripts/flashinfer_carry.py   (flashinfer-python 0.7.4 trimmed to what its
+#      sampling kernels need, plus apache-tvm-ffi: .whl/, ~18 MiB, ignored by git; without
+#      .whl the run measures without FlashInfer and says so)
+#   2. the device tool: run(command="bash scripts/device_check.sh", carry=[".whl"],
+#      timeout_s=390), then give_back unless rerunning at once
 # The script stops starting steps after DEADLINE_S (default 300 s) and then writes the
 # summary: about 5.5 minutes of command plus 1-2 minutes of machine start, 7 in all, which
 # leaves room in the 15-minute lease for one rerun. What comes back (at most 8 files):
@@ -22,9 +24,9 @@
 #   flashinfer-install  the carried wheels and FlashInfer bundle into a folder on PYTHONPATH
 #   flashinfer-jit      FlashInfer builds its sampling kernels with nvcc (in the background,
 #                       beside cuda-tests); skipped past FLASHINFER_JIT_BUDGET_S (150 s), and
-#                       the benchmarks then run without FlashInfer. Here (2 shared cores, CUDA
-#                       13.0 nvcc from PyPI) its three files took 73, 28 and 8 s of CPU each
-#                       and compiled with the trimmed headers, so ~80 s is expected there
+#                       the benchmarks then run without FlashInfer. Here (CUDA 13.0 nvcc from
+#                       PyPI, no GPU) its three files compiled from the trimmed bundle in 73,
+#                       28 and 8 s of CPU each; built in parallel there, about a minute
 #   cuda-tests          the CUDA tests on the Triton backend: graph capture under sync-debug
 #                       "error", the race's far tail, CPU/CUDA Philox agreement, verification,
 #                       the k best blocks, and the float64 top-k case that Triton 3.6's
@@ -140,11 +142,13 @@ append_log() {  # the step's log into steps.log, under a header
 }
 
 # gpu_step NAME LIMIT EXPECT COMMAND...: on a GPU, COMMAND time-boxed to LIMIT seconds (or
-# what is left of the deadline); in a rehearsal, the same COMMAND must print EXPECT (its
-# no-CUDA answer) within 60 s, and the step is skipped with that line.
+# what is left of the deadline), its note the log's last line, or WROTE (a file it wrote) and
+# that line; in a rehearsal, the same COMMAND must print EXPECT (its no-CUDA answer) within
+# 60 s, and the step is skipped with that line.
 gpu_step() {
-    local name=$1 limit=$2 expect=$3 left t0 rc
+    local name=$1 limit=$2 expect=$3 wrote=$WROTE left t0 rc
     shift 3
+    WROTE=""
     left=$((DEADLINE_S - SECONDS))
     if [ "$MODE" = gpu ] && [ $left -lt 15 ]; then
         record "$name" skipped 0 "out of time: the ${DEADLINE_S} s deadline was reached"
@@ -164,13 +168,14 @@ gpu_step() {
             record "$name" failed $((SECONDS - t0)) "rehearsal did not print '$expect' (exit $rc): $(last_line "$LOGS/$name.log")"
         fi
     elif [ $rc -eq 0 ]; then
-        record "$name" ran $((SECONDS - t0)) "$(last_line "$LOGS/$name.log")"
+        record "$name" ran $((SECONDS - t0)) "${wrote:+$wrote; }last line: $(last_line "$LOGS/$name.log")"
     elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
         record "$name" failed $((SECONDS - t0)) "timed out after $limit s: $(last_line "$LOGS/$name.log")"
     else
         record "$name" failed $((SECONDS - t0)) "exit $rc: $(last_line "$LOGS/$name.log")"
     fi
 }
+WROTE=""
 
 # --- env
 t0=$SECONDS
@@ -304,8 +309,10 @@ gpu_step cuda-tests 150 "$COLLECTED" \
 
 join_flashinfer_jit
 NO_CUDA_BENCH="no CUDA device here"
+WROTE="sampling-cuda.json (key figures below)"
 gpu_step sampling-cuda 120 "$NO_CUDA_BENCH" \
     python3 -m fastsample.tools.bench.sampling_cuda --repeats 5 --json "$OUT/sampling-cuda.json"
+WROTE="verify-cuda.json (key figures below)"
 gpu_step verify-cuda 90 "$NO_CUDA_BENCH" \
     python3 -m fastsample.tools.bench.verify_cuda --repeats 5 --json "$OUT/verify-cuda.json"
 NO_CUDA_CLI="--device cuda, but torch.cuda.is_available\(\) is False"
@@ -313,6 +320,7 @@ gpu_step launches 45 "$NO_CUDA_CLI" python3 -m fastsample bench --launches --dev
 gpu_step cuda-tests-torch 60 "$COLLECTED" env FASTSAMPLE_BACKEND=torch \
     python3 -m pytest -q -rs -p no:cacheprovider "${COLLECT[@]}" tests/test_cuda_graphs.py
 gpu_step selfcheck 90 "$NO_CUDA_CLI" python3 -m fastsample selfcheck --device cuda
+WROTE="bench-cuda.json"
 gpu_step bench 60 "$NO_CUDA_CLI" \
     python3 -m fastsample bench --device cuda --quick --json "$OUT/bench-cuda.json"
 gpu_step radix-keys-probe 30 "$NO_CUDA_BENCH" python3 scripts/cuda_radix_keys_probe.py
