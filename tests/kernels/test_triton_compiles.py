@@ -47,6 +47,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.sm90_compile
 def test_kernels_compile_for_sm90():
     assert run_compiled(SCRIPT).count("compiled") == 4
 

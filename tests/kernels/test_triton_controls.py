@@ -443,6 +443,7 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sm90_compile
 def test_kernels_compile_for_a_gpu():
     """The GPU path without a GPU: Triton's compiler (sm_90, down to a cubin) takes the kernels,
     and their ``triton_op`` registrations trace under fake tensors (as ``torch.compile``).

@@ -323,6 +323,7 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sm90_compile
 def test_kernel_compiles_for_a_gpu():
     """Compiled Triton is stricter than the interpreter: the kernel builds for sm_90 (no GPU
     needed), with sampled and greedy rows and with every row greedy; and its ``triton_op``

@@ -80,5 +80,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.sm90_compile
 def test_shard_kernels_compile_for_sm90():
     assert run_compiled(SCRIPT).count("compiled") == 8

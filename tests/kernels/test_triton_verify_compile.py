@@ -48,6 +48,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.sm90_compile
 def test_verify_kernels_compile_for_an_nvidia_gpu():
     try:
         from triton.backends import backends

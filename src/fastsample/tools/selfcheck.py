@@ -35,6 +35,7 @@ from torch import Tensor
 from ..controls import process
 from ..ops.seeds import advance_step
 from ..sampling import fast_sample, sample, sample_from_probs
+from .bench.harness import pick_device
 
 ALPHA = 1e-6
 DESCRIPTION = (__doc__ or "").strip()
@@ -425,7 +426,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # An unavailable cuda is an error up front, as in bench, not every check failing.
+    device = pick_device(args.device)
     torch.manual_seed(args.seed)
     print(f"fastsample selfcheck on {device} (torch {torch.__version__})", flush=True)
     return run_checks(device, lambda line: print(line, flush=True))
