@@ -204,3 +204,44 @@ def law_cases():
         yield LawCase(f"sample T={t} k={k} p={p} V=40", law, draws, 0.02)
     law = reference_probs(shortcut_row(), 0.8, 2)
     yield LawCase("small top_k=2 V=1024", law, SHORTCUT_BATCH * SHORTCUT_REPLAYS, 0.05)
+
+
+def test_engine_step_with_every_stage_captures_and_replays_with_new_state():
+    """``sample_step`` with every stage on (grammar bitmask, allowed ids, bias, min-tokens,
+    penalties, the controls, raw top-5 logprobs and ranks) and the state update, captured once:
+    replays read new logits, bitmask and step from their static buffers and the statistics
+    the previous replay updated, and draw what the eager step draws from the same inputs."""
+    batch, vocab, device = 8, 3000, "cuda"
+    gen = torch.Generator(device=device).manual_seed(5)
+    params = fs.StepParams(
+        batch, vocab, device=device, temperature=torch.full((batch,), 0.8, device=device),
+        top_k=torch.full((batch,), 40, device=device), top_p=0.95, min_p=0.01,
+        cut_order="vllm", repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.1,
+        logit_bias=[{5: 2.0}] * batch, min_tokens=2, stop_token_ids=[[0, 1]] * batch,
+        allowed_token_ids=[list(range(2500))] * batch, seed=torch.arange(batch, device=device),
+        top_logprobs=5, logprobs_mode="raw", token_ranks=True,
+    )  # fmt: skip
+    stats = fs.TokenStats.from_prompts([[3, 4, 5]] * batch, vocab, device=device)
+    twin = fs.TokenStats.from_prompts([[3, 4, 5]] * batch, vocab, device=device)
+    logits = torch.randn(batch, vocab, device=device, generator=gen)
+    words = torch.full((batch, (vocab + 31) // 32), -1, dtype=torch.int32, device=device)
+    step = torch.zeros(batch, dtype=torch.int64, device=device)
+
+    def run(logits, words, step):
+        out = fs.sample_step(logits, params=params, state=stats, step=step, token_bitmask=words)
+        stats.update(out.token_ids)
+        return out
+
+    graph, out = capture(run, logits, words, step)
+    # The warm-up calls updated the statistics: the eager twin starts from the same state.
+    for name in ("prompt_mask", "seen_mask", "output_counts", "output_len"):
+        getattr(twin, name).copy_(getattr(stats, name))
+    for i in range(4):
+        logits.copy_(torch.randn(batch, vocab, device=device, generator=gen))
+        words[:, i] = 0  # a new grammar state: 32 more tokens masked
+        step.fill_(10 + i)
+        want = fs.sample_step(logits, params=params, state=twin, step=step, token_bitmask=words)
+        graph.replay()
+        twin.update(want.token_ids)
+        assert torch.equal(out.token_ids, want.token_ids) and torch.equal(out.ranks, want.ranks)
+        assert torch.equal(stats.output_counts, twin.output_counts)
