@@ -87,7 +87,9 @@ def rows_for(vocab: int, batch: int, seed: int, stages) -> tuple[np.ndarray, lis
             row.min_tokens = int(rng.integers(0, 5))
             row.stop = rng.choice(vocab, size=int(rng.integers(1, 4)), replace=False).tolist()
         row.outputs = rng.integers(0, vocab, size=int(rng.integers(0, 8))).tolist()
-        row.prompt = rng.integers(0, vocab, size=int(rng.integers(0, 10))).tolist()
+        row.prompt = rng.integers(0, vocab, size=int(rng.integers(1, 10))).tolist()
+        if row.bias:  # a biased token that is also seen: the penalty applies to the biased value
+            row.bias[(row.outputs or row.prompt)[0]] = 1.75
         if "repetition" in stages:
             row.repetition = float(rng.choice([1.0, 0.7, 1.3, 2.0]))
         if "frequency" in stages:
@@ -179,7 +181,12 @@ def test_rows_map_and_extra_tokens(backend):
     """Verification's targets: row ``r`` reads stats row ``rows[r]`` and counts its extra
     tokens (drafts before it) as output, for the penalties and for min-tokens."""
     batch, positions, vocab = 3, 3, 80
-    _, params, stats, bitmask = _case(vocab, batch, 11, STAGES, "tensor", backend)
+    backend("torch")
+    _, settings = rows_for(vocab, batch, 11, STAGES)
+    for row in settings:  # min-tokens reached by the drafts: position 0 blocks, later ones not
+        row.min_tokens = len(row.outputs) + 1
+        row.stop = list(range(3, 60, 7))
+    params, stats, bitmask = fastsample_args(settings, vocab, "tensor")
     rows = torch.arange(batch).repeat_interleave(positions)
     gen = torch.Generator().manual_seed(3)
     drafts = torch.randint(0, vocab, (batch, positions - 1), generator=gen)
@@ -195,6 +202,30 @@ def test_rows_map_and_extra_tokens(backend):
     theirs, ours = both(backend, fs.process_step, logits, wide, state=stats,
                         token_bitmask=flat, rows=rows, extra=extra)  # fmt: skip
     torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-9)
+
+
+def test_verify_chain_with_stages_and_the_update(backend):
+    """``verify_chain(target_logits=..., params=..., state=...)`` on the Triton backend (stages
+    kernel with the rows map and drafts as extra tokens, controls kernel, verify kernel) emits
+    the torch path's tokens, and the statistics updated with them are the torch path's."""
+    batch, k, vocab = 3, 2, 60
+    _, params, stats, _ = _case(vocab, batch, 13, STAGES, "tensor", backend)
+    gen = torch.Generator().manual_seed(13)
+    target = torch.randn(batch, k + 1, vocab, generator=gen) * 2
+    drafts = torch.randint(0, vocab, (batch, k), generator=gen)
+    outs = {}
+    for name in ("torch", "triton"):
+        backend(name)
+        mine = stats.select(torch.arange(batch))
+        out = fs.verify_chain(target_logits=target, draft_token_ids=drafts, params=params,
+                              state=mine, seed=torch.arange(batch) + 5)  # fmt: skip
+        mine.update(out.token_ids)
+        outs[name] = out, mine
+    (theirs, theirs_stats), (ours, our_stats) = outs["torch"], outs["triton"]
+    for a, b in zip(theirs, ours, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(our_stats.output_counts, theirs_stats.output_counts)
+    assert torch.equal(our_stats.seen_mask, theirs_stats.seen_mask)
 
 
 def _step_params(form: str, **extra):
@@ -270,6 +301,12 @@ def test_greedy_steps_and_probabilities(backend):
         theirs, ours = both(backend, fs.sample_step, x, params=params, state=stats,
                             token_bitmask=bitmask)  # fmt: skip
         _assert_same_step(theirs, ours, f"greedy n={num_samples} top={top}")
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.5, 2.0], [0.1, 0.2, 0.2, 0.4, 0.5]])
+    for t in (torch.tensor([0.0, 1.0]), 0.0):  # the draw and the greedy launch's modes
+        params = fs.StepParams(2, 5, temperature=t, num_samples=3, token_ranks=True, seed=0)
+        theirs, ours = both(backend, fs.sample_step, ties, params=params, step=0)
+        assert ours.ranks[0].tolist() == [1, 2, 3] == theirs.ranks[0].tolist()  # ties in order
+        _assert_same_step(theirs, ours, f"ties T={t}")
     probs = torch.softmax(x, -1)
     params = fs.StepParams(batch, vocab, allowed_token_ids=[[1, 2, 3], None, list(range(40)), [7]],
                            temperature=0.8, top_p=0.9, seed=4, top_logprobs=3,
@@ -290,7 +327,7 @@ def test_bad_rows_get_the_policy_and_leave_good_rows_unchanged(mode, backend):
     extra = dict(seed=torch.arange(batch), logprobs_mode=mode, top_logprobs=2, token_ranks=True,
                  logprob_token_ids=torch.tensor([[1, 2]] * batch))  # fmt: skip
     params, _, _ = fastsample_args(rows, vocab, "tensor", **extra)
-    rows[4].repetition = -1.0  # out of range: flagged by the parameters
+    rows[4].min_tokens = -1  # out of range: flagged by the parameters (values left as they are)
     bad_params, _, _ = fastsample_args(rows, vocab, "tensor", **extra)
     bad_x = x.clone()
     bad_x[1, ::2] = math.nan  # (whole rows: an entry may be masked)
@@ -433,6 +470,9 @@ _COMPILE = textwrap.dedent("""
                  WORDS_OUT=False)
     build(ks._stages_kernel, dict(stage_pointers, src_ptr="*fp64", out_ptr="*fp64",
           counts_ptr="*u8", rep_ptr="*fp64"), dict(fused, IS_LOGITS=True, IS_F64=True))
+    probs = dict(fused, GRAMMAR=0, FUSED=False, REP=0, FREQ=0, PRES=0, RAW=True, NUM_TOP=3)
+    build(ks._stages_kernel, dict(stage_pointers, src_ptr="*fp16", out_ptr="*fp32",
+          counts_ptr="*u8", rep_ptr="*fp32"), dict(probs, IS_LOGITS=False, IS_F64=False))
     draw_pointers = dict(
         src_ptr="*fp32", weights_ptr="*fp32", sums_ptr="*fp64", total_ptr="*fp64",
         clean_ptr="*i1", t_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64", stream_ptr="*i64",
@@ -442,7 +482,7 @@ _COMPILE = textwrap.dedent("""
         src_stride=I64, w_stride=I64, sums_stride=I64, seed_stride=I64, step_stride=I64,
         stream_stride=I64, scores_stride=I64, words_stride=I64, req_stride=I64,
     )
-    for mode in (0, 1, 3):
+    for mode in (0, 1, 2, 3):
         build(kd._step_draw_kernel, draw_pointers, dict(
             MODE=mode, IS_LOGITS=True, IS_F64=False, NUM_SAMPLES=2, N_PAD=2, ROWS=1, TILE=256,
             SUMS_TILE=512, ONE_SUMS_TILE=True, HAS_STEP=True, STREAM_ROWS=True,
@@ -495,4 +535,4 @@ def test_kernels_compile_for_a_gpu():
     step draw and update kernels (fusion on: the penalties' products are ``mul.rn``, which is
     never contracted), and their ``triton_op`` registrations trace under fake tensors."""
     out = run_compiled(_COMPILE)
-    assert out.count("compiled") == 6 and "traced" in out
+    assert out.count("compiled") == 8 and "traced" in out
