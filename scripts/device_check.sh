@@ -29,6 +29,10 @@ timeout 200 python -m pytest -q -rs tests/verify -k "cuda" 2>&1 \
     | tee "$OUT/cuda-tests-verify.txt" || status=1
 timeout 200 python -m pytest -q -rs tests/ops/test_small_top_k.py -k "cuda" 2>&1 \
     | tee "$OUT/cuda-tests-small-top-k.txt" || status=1
+# The engine step's kernels compiled: staged buffer bitwise against the torch ops on CUDA,
+# tokens, the state update, 3 + 1 launches, capture in a CUDA graph.
+timeout 200 python -m pytest -q -rs tests/kernels/test_triton_stages_cuda.py 2>&1 \
+    | tee "$OUT/cuda-tests-stages.txt" || status=1
 
 # Do int32 radix keys (CPU only so far) work and pay on CUDA? Bitwise check and timing.
 timeout 120 python scripts/cuda_radix_keys_probe.py 2>&1 | tee "$OUT/cuda-radix-keys.txt" || status=1
