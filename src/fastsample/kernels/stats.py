@@ -67,8 +67,10 @@ def update(counts: Tensor, length: Tensor, seen: Tensor, prompt: Tensor, ids: Te
     batch, vocab = counts.shape
     if batch == 0:
         return
-    if counts.stride(1) != 1 or ids.stride(1) != 1 or seen.stride(1) != 1:
-        raise ValueError("counts, ids and seen need unit column stride")
+    if ids.shape[1] > 1 and ids.stride(1) != 1:
+        raise ValueError("ids need unit column stride")
+    if counts.stride(1) != 1 or seen.stride(1) != 1:  # TokenStats makes them contiguous
+        raise ValueError("counts and seen need unit column stride (they are updated in place)")
     launch.count_launch()
     launch.launcher(_update_kernel, INTERPRETED)[(batch,)](
         ids, ids.stride(0), ids.shape[1], counts, counts.stride(0), length, seen, seen.stride(0),

@@ -184,7 +184,10 @@ else:
 
 
 def update(counts: Tensor, length: Tensor, seen: Tensor, prompt: Tensor, ids: Tensor) -> None:
-    """:meth:`fastsample.stages.TokenStats.update` in one launch (in place)."""
+    """:meth:`fastsample.stages.TokenStats.update` in one launch (in place; ids with another
+    column stride are copied first, one op)."""
+    if ids.shape[1] > 1 and ids.stride(1) != 1:
+        ids = ids.contiguous()
     update_op(counts, length, seen, prompt, ids)
 
 
