@@ -302,7 +302,7 @@ COLLECT=()
 COLLECTED="tests? collected( \([0-9]+ deselected\))? in "  # and no collection error
 CUDA_TESTS=(tests/test_cuda_graphs.py tests/ops/test_philox.py tests/ops/test_seeds.py
             tests/test_exactness.py tests/test_bad_input.py tests/verify tests/ops/test_small_top_k.py
-            tests/kernels/test_triton_cuda_agreement.py)
+            tests/kernels/test_triton_cuda_agreement.py tests/kernels/test_triton_stages_cuda.py)
 gpu_step cuda-tests 150 "$COLLECTED" \
     python3 -m pytest -q -rs -p no:cacheprovider "${COLLECT[@]}" "${CUDA_TESTS[@]}" \
     -k "cuda or capture or graph or device_mismatch"

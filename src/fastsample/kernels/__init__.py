@@ -10,6 +10,13 @@ Entry points (import the submodule you need; none is imported by ``import fastsa
 * :mod:`.race` -- the exponential race (``fast_sample``, ``method="race"``).
 * :mod:`.inverse_cdf` -- the blocked inverse CDF; its draw stage takes precomputed
   (weights, float64 block sums) so a fused controls kernel can reuse it.
+* :mod:`.controls`, :mod:`.greedy` -- ``sample``'s controls kernel (weights, exact cuts, block
+  sums, ``top_logprobs``) and the greedy kernels; :mod:`.controls_ops` -- their operators.
+* :mod:`.stages` -- the engine step's stages a-c (allowed tokens, logit bias, min-tokens,
+  penalties) and the raw logprobs' normalizer and top-N, one launch; :mod:`.step_draw` -- the
+  step's draw launch (draws, logprobs of either mode, ranks, requested ids); :mod:`.stats` --
+  ``TokenStats.update`` in one launch; :mod:`.step_ops` -- their operators and the entry
+  points :mod:`fastsample.stages` dispatches to.
 * :mod:`.rowwise` -- device functions every sampling kernel shares: per-row counters, the
   bad-row finish, ``nextafter(x, 0)``.
 * :mod:`.launch` -- rows per program, block widths, the launch counter, and

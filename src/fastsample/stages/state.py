@@ -198,6 +198,14 @@ class TokenStats:
             raise ValueError(f"token_ids is on {token_ids.device}, the stats on {self.device}")
         if token_ids.shape[1] == 0:
             return
+        from ..kernels import backend as kernel_backend  # imports no triton
+
+        if kernel_backend.use_triton(self.device.type):  # one launch (kernels/stats.py)
+            from ..kernels import step_ops
+
+            step_ops.update(self.output_counts, self.output_len, self.seen_mask,
+                            self.prompt_mask, token_ids)  # fmt: skip
+            return
         vocab = self.vocab
         inside = (token_ids >= 0) & (token_ids < vocab)
         ids = torch.where(inside, token_ids, 0)

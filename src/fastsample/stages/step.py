@@ -29,7 +29,7 @@ from ..controls import process_checked
 from ..ops import validation as v
 from ..ops.seeds import check_stream_values, make_source, stream_ok
 from ..ops.weights import compute_dtype
-from . import allowed, bias, logprobs, penalties
+from . import allowed, bias, kernel_step, logprobs, penalties
 from .draw import draw
 from .output import SampleOutput, flag_rows
 from .params import StepParams
@@ -102,6 +102,10 @@ def _prepare(
     batch = source.shape[0]
     dtype = compute_dtype(source.dtype)
     scores = v.detached(source)
+    if not raw_wanted and kernel_step.applies(source, params, words):  # FASTSAMPLE_BACKEND
+        staged = kernel_step.staged(scores, is_logits, params, state, words, indices, output_len,
+                                    rows, extra)  # fmt: skip
+        return _Prepared(scores if staged is None else staged, None, is_logits, params.rows_ok)
     mask = allowed.allowed_words(words, indices, params.allowed_mask, batch)
     if mask is not None:
         buffer = torch.empty(source.shape, dtype=dtype, device=source.device)
@@ -195,6 +199,9 @@ def sample_step(
         v.check_source_values(logits, probs)
         params.check_values()
         check_stream_values(rng)
+    if kernel_step.applies(source, params, words):  # the Triton backend: at most 3 launches
+        return kernel_step.sample_step(v.detached(source), logits is not None, params, state,
+                                       words, indices, output_len, rng)  # fmt: skip
     raw_mode = params.logprobs_mode == "raw"
     ready = _prepare(source, logits is not None, params, state, words, indices, output_len,
                      raw_mode)  # fmt: skip

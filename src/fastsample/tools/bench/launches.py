@@ -12,8 +12,9 @@ long before the bytes do. This mode counts, for one call:
 
 The sum is the device work per call. It is counted on any device; on CPU the Triton backend
 runs through Triton's interpreter (slow, but the count is the same as on a GPU). Beside the
-public calls it counts the two baselines: the seed's 4-op race (``exponential_``, div,
-``argmax``, ``gather``) and ``torch.multinomial``.
+public calls (the engine step and its state update too: :mod:`.launches_step`) it counts the
+two baselines: the seed's 4-op race (``exponential_``, div, ``argmax``, ``gather``) and
+``torch.multinomial``.
 
 Table columns: call, backend, aten ops, kernels, total.
 """
@@ -148,12 +149,14 @@ def count_all(
     Each call runs once uncounted first (first-call setup such as cached constants is not
     per-call work).
     """
+    from .launches_step import step_calls
     from .launches_verify import distributed_calls, one_rank_group, verify_calls
 
     rows: list[tuple[str, str, Work]] = []
     for name in backends:
         with backend(name), one_rank_group() as grouped:
-            calls = public_calls(batch, vocab, device) + verify_calls(batch, vocab, device)
+            calls = public_calls(batch, vocab, device) + step_calls(batch, vocab, device)
+            calls += verify_calls(batch, vocab, device)
             if grouped:
                 calls += distributed_calls(batch, vocab, device)
             rows += [(label, name, _counted(call)) for label, call in calls]

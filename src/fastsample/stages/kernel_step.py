@@ -1,0 +1,125 @@
+"""The step on the Triton backend: the stages' settings handed to the kernels.
+
+:mod:`.step` keeps the torch ops as the reference and, on the Triton backend
+(:func:`fastsample.kernels.backend.use_triton`), sends a step here: stages a-c become one
+launch of the stages kernel, and a step with any stage or logprob option on is the stages,
+controls and draw launches of :mod:`fastsample.kernels.step_ops` (the same arguments, the same
+results: tests/kernels/test_triton_stages.py). A step with none of them keeps the controls
+kernels' path of :mod:`.draw`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..kernels import backend as kernel_backend
+from ..ops.noise import UniformSource
+from .output import SampleOutput
+from .params import StepParams
+from .state import TokenStats
+
+
+def _unit(value):
+    """A ``(B,)`` tensor the kernels read at ``ptr + row``: copied if its stride is not 1."""
+    if isinstance(value, Tensor) and value.shape[0] > 1 and value.stride(0) != 1:
+        return value.contiguous()
+    return value
+
+
+def _split(value):
+    """``(tensor, number)`` of a setting given either way (None: off)."""
+    return (_unit(value), None) if isinstance(value, Tensor) else (None, value)
+
+
+def stage_args(
+    params: StepParams,
+    state: TokenStats | None,
+    words: Tensor | None,
+    indices: Tensor | None,
+    output_len: int | Tensor | None,
+    rows: Tensor | None = None,
+    extra: Tensor | None = None,
+):
+    """The :class:`fastsample.kernels.step_ops.Stages` of a step (arguments checked)."""
+    from ..kernels.step_ops import Stages
+
+    args = Stages(
+        grammar=words, indices=indices, allowed=params.allowed_mask, bias_ids=params.bias_ids,
+        bias_values=params.bias_values, rows=_unit(rows),
+        extra=extra if extra is not None and extra.shape[1] else None,
+    )  # fmt: skip
+    if params.stop_ids is not None:
+        length = output_len if output_len is not None else state.output_len  # type: ignore[union-attr]
+        least, least_value = _split(params.min_tokens)
+        length, length_value = _split(length)
+        args = args._replace(
+            stop_ids=params.stop_ids, min_tokens=least, min_tokens_value=least_value or 0,
+            length=length, length_value=length_value or 0,
+        )  # fmt: skip
+    if params.penalties_on:
+        assert state is not None
+        rep, rep_value = _split(params.repetition_penalty)
+        freq, freq_value = _split(params.frequency_penalty)
+        pres, pres_value = _split(params.presence_penalty)
+        args = args._replace(
+            seen=state.seen_mask, counts=state.output_counts, rep=rep, rep_value=rep_value,
+            freq=freq, freq_value=freq_value, pres=pres, pres_value=pres_value,
+        )  # fmt: skip
+    return args
+
+
+def applies(source: Tensor, params: StepParams, words: Tensor | None) -> bool:
+    """Whether :func:`sample_step` takes this step: the Triton backend, with a stage before
+    the controls or a logprob option of the step on."""
+    if not kernel_backend.use_triton(source.device.type):
+        return False
+    return (
+        words is not None
+        or params.allowed_mask is not None
+        or params.edits_logits
+        or params.logprobs_mode == "raw"
+        or params.token_ranks
+        or params.logprob_token_ids is not None
+    )
+
+
+def staged(
+    source: Tensor,
+    is_logits: bool,
+    params: StepParams,
+    state: TokenStats | None,
+    words: Tensor | None,
+    indices: Tensor | None,
+    output_len: int | Tensor | None,
+    rows: Tensor | None = None,
+    extra: Tensor | None = None,
+) -> Tensor | None:
+    """Stages a-c in one launch, or None when no stage is on (the scores are the input)."""
+    args = stage_args(params, state, words, indices, output_len, rows, extra)
+    if not args.on:
+        return None
+    from ..kernels import step_ops
+
+    return step_ops.staged(source, is_logits, args)
+
+
+def sample_step(
+    source: Tensor,
+    is_logits: bool,
+    params: StepParams,
+    state: TokenStats | None,
+    words: Tensor | None,
+    indices: Tensor | None,
+    output_len: int | Tensor | None,
+    rng: UniformSource,
+) -> SampleOutput:
+    """:func:`fastsample.stages.sample_step` after its checks, in at most three launches."""
+    from ..kernels import step_ops
+
+    args = stage_args(params, state, words, indices, output_len)
+    fields = step_ops.sample_step(
+        source, is_logits, args, params.controls, params.num_samples, rng,
+        params.top_logprobs, params.logprobs_mode == "raw", params.token_ranks,
+        params.logprob_token_ids, _unit(params.rows_ok),
+    )  # fmt: skip
+    return SampleOutput(*fields)

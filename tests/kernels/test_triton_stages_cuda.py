@@ -1,0 +1,122 @@
+"""The engine step's kernels compiled, on a CUDA device (``scripts/device_check.sh``).
+
+tests/kernels/test_triton_stages.py holds the kernels to the torch path through the
+interpreter; here the compiled kernels (libdevice ``exp``/``log``, ``div.rn``, ``mul.rn``,
+barriers between the passes of a program) meet the torch ops on the same CUDA tensors: the
+staged buffer bitwise (no duplicate bias ids: the torch path's CUDA ``scatter_add_`` adds
+those in any order), the tokens of a seeded step, the state update bitwise, three launches
+per step and one per update, and capture in a CUDA graph under sync-debug "error".
+Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastsample as fs
+from fastsample.stages import staged_logits
+from fastsample.tools.bench.launches import device_work
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+V = 50_000  # several tiles of 512 per row, a partial last word and block
+
+
+def _inputs(batch: int, mode: str = "processed"):
+    gen = torch.Generator().manual_seed(batch)
+
+    def ids(*shape: int) -> torch.Tensor:
+        return torch.randint(-1, V, shape, generator=gen)
+
+    biased = torch.stack([torch.randperm(V, generator=gen)[:6] for _ in range(batch)])
+    params = fs.StepParams(
+        batch, V, device="cuda", temperature=(torch.rand(batch, generator=gen) + 0.3).cuda(),
+        top_k=torch.full((batch,), 200).cuda(), top_p=torch.full((batch,), 0.95).cuda(),
+        repetition_penalty=(torch.rand(batch, generator=gen) + 0.6).cuda(),
+        frequency_penalty=0.4, presence_penalty=(torch.rand(batch, generator=gen) - 0.5).cuda(),
+        logit_bias=(biased.cuda(), torch.randn(batch, 6, generator=gen).cuda()),
+        min_tokens=3, stop_token_ids=ids(batch, 2).cuda(),
+        allowed_token_ids=ids(batch, V // 2).cuda(), seed=torch.arange(batch).cuda(),
+        top_logprobs=5, token_ranks=True, logprob_token_ids=ids(batch, 3).cuda(),
+        logprobs_mode=mode,
+    )  # fmt: skip
+    logits = (torch.randn(batch, V, generator=gen) * 3).cuda()
+    stats = fs.TokenStats.from_prompts(ids(batch, 40).cuda(), V)
+    words = torch.randint(-(2**31), 2**31 - 1, (batch, (V + 31) // 32), dtype=torch.int32,
+                          generator=gen).cuda() | 0x00FF00FF  # fmt: skip
+    return logits, params, stats, words
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_compiled_step_matches_the_torch_ops_on_cuda(mode, monkeypatch):
+    logits, params, stats, words = _inputs(8, mode)
+    stats.update(torch.randint(0, V, (8, 5), device="cuda"))
+    steps = torch.arange(8, device="cuda")
+    outs = {}
+    for name in ("torch", "triton"):
+        monkeypatch.setenv("FASTSAMPLE_BACKEND", name)
+        staged = staged_logits(logits, params, state=stats, token_bitmask=words)
+        out = fs.sample_step(logits, params=params, state=stats, step=steps, token_bitmask=words)
+        outs[name] = staged, out
+    (staged_t, theirs), (staged_o, ours) = outs["torch"], outs["triton"]
+    assert torch.equal(staged_o, staged_t)
+    assert torch.equal(ours.valid, theirs.valid) and bool(ours.valid.all())
+    assert int((ours.token_ids != theirs.token_ids).any(-1).sum()) <= 1  # rounding at an edge
+    same = (ours.token_ids == theirs.token_ids).all(-1)
+    assert torch.equal(ours.top_token_ids, theirs.top_token_ids)
+    for field in ("probs", "logprobs", "top_logprobs", "requested_logprobs"):
+        a, b = getattr(theirs, field), getattr(ours, field)
+        if field in ("probs", "logprobs"):
+            a, b = a[same], b[same]
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=field)
+    assert torch.equal(ours.ranks[same], theirs.ranks[same])
+
+
+def test_compiled_update_matches_the_torch_update_on_cuda(monkeypatch):
+    states = {}
+    for name in ("torch", "triton"):
+        monkeypatch.setenv("FASTSAMPLE_BACKEND", name)
+        _, _, stats, _ = _inputs(6)
+        gen = torch.Generator().manual_seed(1)
+        for n in (1, 4, 2):
+            stats.update(torch.randint(-1, V, (6, n), generator=gen).cuda())
+        states[name] = stats
+    for field in ("output_counts", "output_len", "seen_mask"):
+        assert torch.equal(getattr(states["triton"], field), getattr(states["torch"], field))
+
+
+def test_launches_and_capture_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "auto")  # CUDA tensors take the kernels
+    logits, params, stats, words = _inputs(4, "raw")
+    steps = torch.zeros(4, dtype=torch.int64, device="cuda")
+
+    def run():
+        out = fs.sample_step(logits, params=params, state=stats, step=steps, token_bitmask=words)
+        stats.update(out.token_ids)
+        return out.token_ids
+
+    run()
+    work = device_work(run)
+    assert work.kernels == 4 and work.total <= 4, work.names  # 3 for the step, 1 for the update
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tokens = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    length = stats.output_len.clone()
+    steps += 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(stats.output_len, length + 1)
+    assert bool(((tokens >= 0) & (tokens < V)).all())
