@@ -1,0 +1,275 @@
+"""vLLM's ``SamplingMetadata`` as fastsample's per-batch parameters and per-request state.
+
+vLLM rebuilds its ``SamplingMetadata`` only when the batch's composition changes (requests
+join, leave or move) and passes the same object every step in between. A :class:`Plan` is
+built the first time the sampler sees a new metadata object and reused while it stays the
+same (:meth:`Plan.matches`): the :class:`~fastsample.StepParams` of the batch, the
+:class:`~fastsample.TokenStats` when a row has penalties, and each row's key. Each step
+costs the plan only the rows' positions (one vectorized read of the runner's host arrays)
+and, with penalties, the state's update with the emitted tokens.
+
+The mapping, field by field (vLLM 0.32, ``vllm/v1/sample/metadata.py`` and the built-in
+logits processors of ``vllm/v1/sample/logits_processor/builtin.py``):
+
+* ``temperature``: 0.0 marks a greedy row (vLLM's rule ``T < 1e-5``; the input batch stores
+  0.0, and ``SamplingParams`` raises 0 < T < 0.01 to 0.01); None: every row greedy.
+* ``top_k`` (``V`` = off), ``top_p``, and min-p from the ``MinPLogitsProcessor``, in vLLM's
+  order: ``cut_order="vllm"`` (min-p first, then top-k, then top-p on what is left).
+* ``allowed_token_ids_mask`` (True = masked) becomes allowed ids; ``LogitBiasLogitsProcessor``'s
+  biases the logit bias; ``MinTokensLogitsProcessor``'s rows (those still below their
+  minimum, with all their stop ids) min-tokens; the three penalty tensors the penalties (a
+  row with no penalty holds the off values).
+* ``prompt_token_ids`` (padded with ``V``) and the emitted tokens build the TokenStats.
+* ``generators``: a seeded row's ``torch.Generator`` was seeded with the request's seed,
+  which ``initial_seed()`` returns; that seed is the row's key. An unseeded row's key is
+  drawn from torch's global generator when its request first joins, and kept by request id.
+* ``max_num_logprobs``, ``logprob_token_ids`` and the runner's ``logprobs_mode`` say what
+  logprobs to return (:mod:`.logprobs`).
+
+A batch with something fastsample does not do gets ``unsupported`` (a reason) and is
+sampled by vLLM's own code: bad words (vLLM's host loop over prefixes), custom logits
+processors, a thinking-token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..ops import bitmask
+from ..stages import StepParams, TokenStats
+from .batch import Rows
+from .state import CALLS
+
+_BUILTIN = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
+
+# Keys of unseeded requests, by request id (dropped when the request leaves the batch).
+_KEYS: dict[str, int] = {}
+
+
+def unsupported_reason(metadata) -> str | None:
+    """Why vLLM's own code must sample this batch, or None."""
+    if metadata.bad_words_token_ids:
+        return "bad_words (vLLM's prefix matching runs on the host)"
+    custom = [
+        type(p).__name__ for p in metadata.logitsprocs.all if type(p).__name__ not in _BUILTIN
+    ]
+    if custom:
+        return f"custom logits processors ({', '.join(sorted(set(custom)))})"
+    if thinking_budget_active(metadata):
+        return "a thinking-token budget"
+    return None
+
+
+def thinking_budget_active(metadata) -> bool:
+    holder = getattr(metadata, "thinking_budget_state_holder", None)
+    return holder is not None and holder.has_tracked_requests()
+
+
+def _processor(metadata, name: str):
+    return next((p for p in metadata.logitsprocs.all if type(p).__name__ == name), None)
+
+
+def _as_int64(seed: int) -> int:
+    """A generator's seed (an unsigned 64-bit int) as the int64 of the same bits."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def row_keys(metadata, rows: Rows, batch: int, device: torch.device) -> Tensor:
+    """``(B,)`` int64 keys: a seeded row's seed, an unseeded request's random key."""
+    fresh = torch.randint(-(2**63), 2**63 - 1, (batch,), dtype=torch.int64)
+    values = fresh.tolist()
+    if rows.req_ids is not None:
+        live = set(rows.req_ids)
+        for req_id in [r for r in _KEYS if r not in live]:
+            del _KEYS[req_id]
+        values = [_KEYS.setdefault(r, v) for r, v in zip(rows.req_ids, values, strict=True)]
+    for row, generator in metadata.generators.items():
+        if 0 <= row < batch:
+            values[row] = _as_int64(generator.initial_seed())
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _min_p(metadata, batch: int, device: torch.device) -> Tensor | None:
+    proc = _processor(metadata, "MinPLogitsProcessor")
+    if proc is None or not proc.min_p_count:
+        return None
+    return proc.min_p_cpu_tensor[:batch].to(device, copy=True)
+
+
+def _logit_bias(metadata, batch: int):
+    proc = _processor(metadata, "LogitBiasLogitsProcessor")
+    if proc is None or not proc.biases:
+        return None
+    return [dict(proc.biases[b]) if b in proc.biases else None for b in range(batch)]
+
+
+def _min_tokens(
+    metadata, batch: int, device: torch.device
+) -> tuple[Tensor, list[list[int] | None]] | None:
+    proc = _processor(metadata, "MinTokensLogitsProcessor")
+    if proc is None or not proc.min_toks:
+        return None
+    minimum = torch.zeros(batch, dtype=torch.int64, device=device)
+    stops: list[list[int] | None] = [None] * batch
+    for row, (count, _, stop_ids, _) in proc.min_toks.items():
+        if 0 <= row < batch:
+            minimum[row] = count
+            stops[row] = sorted(stop_ids)
+    return minimum, stops
+
+
+def _allowed(metadata, batch: int) -> list[list[int] | None] | None:
+    mask = metadata.allowed_token_ids_mask
+    if mask is None:
+        return None
+    mask = mask[:batch]
+    restricted = mask.any(-1).tolist()
+    return [
+        torch.nonzero(~mask[b]).flatten().tolist() if restricted[b] else None
+        for b in range(batch)
+    ]
+
+
+def _penalties(metadata) -> dict[str, Tensor]:
+    if metadata.no_penalties:
+        return {}
+    return dict(
+        repetition_penalty=metadata.repetition_penalties,
+        frequency_penalty=metadata.frequency_penalties,
+        presence_penalty=metadata.presence_penalties,
+    )
+
+
+@dataclass
+class Plan:
+    """What the sampler needs of one ``SamplingMetadata``, built once."""
+
+    metadata: object
+    batch: int
+    vocab: int
+    device: torch.device
+    unsupported: str | None = None
+    params: StepParams | None = None
+    stats: TokenStats | None = None
+    keys: Tensor | None = None
+    rows: Rows | None = None
+    counted: np.ndarray | None = None  # output lengths the plan has seen (the stats' too)
+    num_logprobs: int | None = None
+    logprob_ids: dict[int, list[int]] | None = None
+    # vLLM's raw values come before its allowed-token mask, fastsample's after: with allowed
+    # ids in a raw mode the plugin computes them itself (logprobs.raw_values).
+    raw_before_allowed: bool = False
+
+    def matches(self, metadata, batch: int, vocab: int) -> bool:
+        return self.metadata is metadata and (self.batch, self.vocab) == (batch, vocab)
+
+    def positions(self) -> Tensor:
+        """``(B,)`` int64: each row's position, the tokens it has emitted so far.
+
+        The runner's host arrays say it when the metadata came from its input batch; if they
+        disagree with what the plan counted (the runner discarded a token the stats were
+        updated with, e.g. one sampled for an unfinished chunked prefill), the stats are
+        rebuilt first. Without an input batch (a dummy run, a benchmark) the plan counts."""
+        assert self.rows is not None and self.counted is not None
+        lengths = self.rows.lengths()
+        if lengths is None:
+            lengths = self.counted
+        elif not np.array_equal(lengths, self.counted):
+            if self.stats is not None:
+                self.stats = build_stats(self.metadata, self.rows, self.batch, self.vocab,
+                                         lengths)  # fmt: skip
+                CALLS["stats_rebuilds"] += 1
+            self.counted = lengths.copy()
+        return torch.from_numpy(lengths).to(self.device)
+
+    def emitted(self, counts: np.ndarray | int) -> None:
+        """Rows emitted ``counts`` tokens this step (the stats were updated with them)."""
+        assert self.counted is not None
+        self.counted = self.counted + counts
+
+
+def build_stats(metadata, rows: Rows, batch: int, vocab: int, lengths: np.ndarray) -> TokenStats:
+    """The penalties' state of the batch now: prompt bits and output counts, built in a few
+    vectorized ops (no per-token update)."""
+    prompts = metadata.prompt_token_ids
+    if prompts is None:
+        prompts = torch.full((batch, 0), -1, dtype=torch.int64)
+    outputs = rows.output_ids(lengths)
+    if outputs is None:  # no input batch (a dummy run): the metadata's lists
+        lists = metadata.output_token_ids or [[] for _ in range(batch)]
+        width = max((len(x) for x in lists), default=0)
+        outputs = torch.full((batch, width), -1, dtype=torch.int64)
+        for b, row in enumerate(lists[:batch]):
+            if row:
+                outputs[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    device = prompts.device
+    outputs = outputs.to(device)
+    stats = TokenStats.from_prompts(prompts[:batch], vocab)
+    inside = (outputs >= 0) & (outputs < vocab)
+    ids = torch.where(inside, outputs, 0)
+    counts = torch.zeros(batch, vocab, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, ids, inside.to(torch.int32))
+    top = torch.iinfo(stats.output_counts.dtype).max
+    stats.output_counts.copy_(counts.clamp_(max=top).to(stats.output_counts.dtype))
+    stats.output_len.copy_(inside.sum(-1))
+    stats.seen_mask.copy_(stats.prompt_mask | bitmask.pack(counts > 0))
+    return stats
+
+
+def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None = None) -> Plan:
+    """The plan of a metadata object for ``logits`` (``batch`` requests: its rows unless
+    given)."""
+    CALLS["plans"] += 1
+    batch = logits.shape[0] if batch is None else batch
+    vocab, device = logits.shape[1], logits.device
+    rows = Rows(metadata, batch)
+    reason = unsupported_reason(metadata)
+    if reason is not None:
+        return Plan(metadata, batch, vocab, device, unsupported=reason, rows=rows)
+    greedy = metadata.all_greedy or metadata.temperature is None
+    temperature = 0.0 if greedy else metadata.temperature[:batch]
+    min_tokens = _min_tokens(metadata, batch, device)
+    num_logprobs = metadata.max_num_logprobs
+    ids = metadata.logprob_token_ids or None
+    wanted = num_logprobs is not None or ids is not None
+    allowed = _allowed(metadata, batch)
+    own_raw = wanted and allowed is not None and logprobs_mode.startswith("raw")
+    if own_raw:  # fastsample computes none of them
+        wanted, num_logprobs_fs, ids_fs = False, 0, None
+    else:
+        num_logprobs_fs = num_logprobs if num_logprobs and num_logprobs > 0 else 0
+        ids_fs = ids
+    params = StepParams(
+        batch, vocab,
+        device=device,
+        temperature=temperature,
+        top_k=None if metadata.top_k is None else metadata.top_k[:batch],
+        top_p=None if metadata.top_p is None else metadata.top_p[:batch],
+        min_p=_min_p(metadata, batch, device),
+        cut_order="vllm",
+        seed=row_keys(metadata, rows, batch, device),
+        allowed_token_ids=allowed,
+        logit_bias=_logit_bias(metadata, batch),
+        min_tokens=None if min_tokens is None else min_tokens[0],
+        stop_token_ids=None if min_tokens is None else min_tokens[1],
+        **_penalties(metadata),
+        top_logprobs=num_logprobs_fs,
+        logprobs_mode="raw" if logprobs_mode.startswith("raw") else "processed",
+        token_ranks=wanted,
+        logprob_token_ids=None if ids_fs is None else [ids_fs.get(b) for b in range(batch)],
+    )  # fmt: skip
+    lengths = rows.lengths()
+    if lengths is None:  # no input batch: the metadata's output lists, if it has them
+        lists = metadata.output_token_ids or []
+        lengths = np.array([len(x) for x in lists[:batch]] + [0] * (batch - len(lists[:batch])),
+                           dtype=np.int64)  # fmt: skip
+    stats = None
+    if params.penalties_on:
+        stats = build_stats(metadata, rows, batch, vocab, lengths)
+    return Plan(metadata, batch, vocab, device, None, params, stats, params.seed, rows,
+                lengths.copy(), num_logprobs, ids, own_raw)  # fmt: skip
