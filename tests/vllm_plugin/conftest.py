@@ -22,13 +22,11 @@ os.environ["VLLM_PLUGINS"] = "fastsample"
 import pytest
 import torch
 
-_SET_NUM_THREADS = torch.set_num_threads
-
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread_and_torch_restored():
     threads = torch.get_num_threads()
-    _SET_NUM_THREADS(1)
+    torch._C.set_num_threads(1)  # torch's own function, whatever torch.set_num_threads is now
     yield
-    torch.set_num_threads = _SET_NUM_THREADS
-    _SET_NUM_THREADS(threads)
+    torch.set_num_threads = torch._C.set_num_threads
+    torch._C.set_num_threads(threads)

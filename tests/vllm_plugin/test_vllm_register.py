@@ -27,10 +27,11 @@ from fastsample.vllm import install, state  # noqa: E402
 from fastsample.vllm.grammar import batch_order_bitmask, fit_words  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+_INSTALL = install.install  # the real one, whatever a test patches in
 
 
 @pytest.fixture
-def fresh(monkeypatch):
+def fresh():
     """The plugin uninstalled and its warnings forgotten; reinstalled as it was after."""
     was = state.STATE.installed
     install.uninstall()
@@ -41,7 +42,7 @@ def fresh(monkeypatch):
     state.STATE.warned.clear()
     state.STATE.warned.update(warned)
     if was:
-        install.install()
+        _INSTALL()
 
 
 def test_the_entry_point_names_register():

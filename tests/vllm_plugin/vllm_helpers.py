@@ -13,11 +13,20 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import tempfile
 
 import torch
 
 VOCAB = 512
+
+
+def checkpoint(name: str, **settings) -> str:
+    """A test checkpoint shared by the modules (and the law registry), built once per
+    machine in the temporary directory."""
+    folder = os.path.join(tempfile.gettempdir(), "fastsample-vllm-tests-v1", name)
+    return tiny_llama(folder, **settings)
 
 
 def tiny_llama(path: str, *, seed: int = 0, init_std: float = 0.5, layers: int = 2) -> str:
@@ -64,6 +73,15 @@ def add_tokenizer(path: str) -> str:
     return path
 
 
+PROMPT_SPEC = [100, 200, 300, 7]
+
+
+def speculative(path: str, drafts: int = 2) -> dict:
+    """The draft model is the target itself (greedy drafts): drafts at every step, most of
+    them accepted, so the verification of every position is exercised."""
+    return {"model": path, "num_speculative_tokens": drafts}
+
+
 def engine(path: str, **overrides):
     from vllm import LLM
 
@@ -74,6 +92,14 @@ def engine(path: str, **overrides):
     )  # fmt: skip
     settings.update(overrides)
     return LLM(**settings)
+
+
+def close(llm) -> None:
+    """Shut an in-process engine down now. Left to the garbage collector, its finalizer can
+    run while the next module's engine is alive and tear down the process-wide distributed
+    state that engine uses."""
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
 
 
 def tokens_prompt(ids: list[int]):
