@@ -259,7 +259,8 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
         stop_token_ids=None if min_tokens is None else min_tokens[1],
         **_penalties(metadata),
         top_logprobs=num_logprobs_fs,
-        logprobs_mode="raw" if logprobs_mode.startswith("raw") else "processed",
+        # Raw mode costs a pass over the logits (their normalizer): only when asked for.
+        logprobs_mode="raw" if wanted and logprobs_mode.startswith("raw") else "processed",
         token_ranks=wanted,
         logprob_token_ids=None if ids_fs is None else [ids_fs.get(b) for b in range(batch)],
     )  # fmt: skip
