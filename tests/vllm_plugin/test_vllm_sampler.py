@@ -181,7 +181,8 @@ def test_penalties_state_follows_the_steps_and_is_rebuilt_on_disagreement():
             r.output.append(token)  # what the runner does after each step
     plan = sampler._plan
     assert plan.metadata is md and CALLS["plans"] > 0
-    fresh = build_stats(md, plan.rows, 4, V, np.array([len(r.output) for r in requests]))
+    fresh = build_stats(md, plan.rows, V, np.array([len(r.output) for r in requests]),
+                        [0, 1, 2, 3])
     for name in ("prompt_mask", "output_counts", "output_len", "seen_mask"):
         assert torch.equal(getattr(plan.stats, name), getattr(fresh, name)), name
 
@@ -209,6 +210,60 @@ def test_penalties_state_follows_the_steps_and_is_rebuilt_on_disagreement():
     batch.num_tokens_no_spec[[0, 1, 3]] += 1  # rows 0, 1, 3 got their token, row 2 did not
     assert plan2.positions().tolist() == (lengths + np.array([1, 1, 0, 1])).tolist()
     assert CALLS["stats_rebuilds"] == before + 1
+
+
+class FakeBatch:
+    """The InputBatch fields the plan reads, for requests with prompts and outputs."""
+
+    def __init__(self, requests: dict[str, Request]):
+        self.requests = requests
+        self.refresh()
+
+    def refresh(self) -> None:
+        """After a step: what the runner's bookkeeping writes."""
+        rows = list(self.requests.values())
+        self.num_reqs, self.req_ids = len(rows), list(self.requests)
+        self.num_prompt_tokens = np.array([len(r.prompt) for r in rows])
+        self.num_tokens_no_spec = self.num_prompt_tokens + [len(r.output) for r in rows]
+        self.token_ids_cpu = np.zeros((len(rows), 256), dtype=np.int32)
+        for b, r in enumerate(rows):
+            self.token_ids_cpu[b, : len(r.prompt) + len(r.output)] = r.prompt + r.output
+
+    def metadata(self):
+        md = sampling_metadata(list(self.requests.values()), V)
+        setattr(md, ROWS_ATTRIBUTE, weakref.ref(self))
+        return md
+
+
+def test_penalties_state_is_carried_over_when_the_batch_changes(monkeypatch):
+    from fastsample.vllm import plan as plan_module
+
+    def request(seed: int) -> Request:
+        return Request(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.2,
+                       prompt=prompt(seed), output=prompt(seed + 50, 5))  # fmt: skip
+
+    first = FakeBatch({name: request(i) for i, name in enumerate("abcd")})
+    sampler = FastsampleSampler()
+    md = first.metadata()
+    for step in range(3):
+        out = sampler(logits_for(4, seed=step), md)
+        for r, token in zip(first.requests.values(), out.sampled_token_ids[:, 0].tolist(),
+                            strict=True):  # fmt: skip
+            r.output.append(token)
+        first.refresh()
+    # b leaves, d moves into its row (vLLM condenses its batch), e joins at the end.
+    old = first.requests
+    second = FakeBatch({"a": old["a"], "d": old["d"], "c": old["c"], "e": request(9)})
+    built = []
+    real = plan_module.stats_from_ids
+    monkeypatch.setattr(plan_module, "stats_from_ids",
+                        lambda p, o, v: built.append(p.shape[0]) or real(p, o, v))  # fmt: skip
+    md2 = second.metadata()
+    plan = build_plan(md2, logits_for(4), "raw_logprobs", previous=sampler._plan)
+    assert built == [1]  # e only: a, d and c were carried over
+    fresh = build_stats(md2, plan.rows, V, plan.rows.lengths(), [0, 1, 2, 3])
+    for name in ("prompt_mask", "output_counts", "output_len", "seen_mask"):
+        assert torch.equal(getattr(plan.stats, name), getattr(fresh, name)), name
 
 
 def test_a_seeded_row_draws_the_same_tokens_alone_and_in_a_batch():

@@ -86,6 +86,18 @@ def test_greedy_structured_equals_vllms(llm):
     assert ours == theirs
 
 
+def test_min_tokens_yield_to_a_finished_grammar_as_in_vllm(llm):
+    """A choice is done after a few tokens and its grammar then allows only EOS, which
+    min-tokens bans: vLLM lets EOS through (MinTokensLogitsProcessor), so does the plugin."""
+    params = [constrained(StructuredOutputsParams(choice=CHOICES), temperature=t, seed=s,
+                          min_tokens=8) for t, s in ((0.0, None), (1.0, 5))]  # fmt: skip
+    ours = texts(llm, ["hello", "world"], params)
+    with vllm_sampling():
+        theirs = texts(llm, ["hello", "world"], params)
+    assert all(t in CHOICES for t in ours), ours
+    assert ours[0] == theirs[0]
+
+
 def test_a_seeded_structured_request_is_the_same_alone_and_in_a_batch(llm):
     seeded = constrained(StructuredOutputsParams(regex=REGEX), temperature=1.5, seed=99)
     alone = texts(llm, ["the quick"], [seeded])[0]

@@ -61,17 +61,17 @@ class Rows:
         b = self.batch
         return source.num_tokens_no_spec[:b].astype(np.int64) - source.num_prompt_tokens[:b]
 
-    def output_ids(self, lengths: np.ndarray) -> torch.Tensor | None:
-        """``(B, max length)`` int64 emitted tokens, -1 padded, from the batch's token table."""
+    def output_ids(self, lengths: np.ndarray, which: list[int]) -> torch.Tensor | None:
+        """``(len(which), max length)`` int64 tokens rows ``which`` emitted, -1 padded, read
+        from the batch's token table (``lengths``: every row's)."""
         source = self._batch_ref() if self._batch_ref is not None else None
         if source is None:
             return None
-        b = self.batch
+        rows = np.asarray(which, dtype=np.int64)
+        lengths = lengths[rows]
         width = int(lengths.max(initial=0))
-        prompt = source.num_prompt_tokens[:b].astype(np.int64)
-        columns = prompt[:, None] + np.arange(width)
-        inside = np.arange(width) < lengths[:, None]
+        prompt = source.num_prompt_tokens[rows].astype(np.int64)
         table = source.token_ids_cpu
-        columns = np.minimum(columns, table.shape[1] - 1)
-        ids = np.take_along_axis(table[:b], columns, axis=1).astype(np.int64)
-        return torch.from_numpy(np.where(inside, ids, -1))
+        columns = np.minimum(prompt[:, None] + np.arange(width), table.shape[1] - 1)
+        ids = np.take_along_axis(table[rows], columns, axis=1).astype(np.int64)
+        return torch.from_numpy(np.where(np.arange(width) < lengths[:, None], ids, -1))

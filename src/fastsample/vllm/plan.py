@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..ops import bitmask
 from ..stages import StepParams, TokenStats
 from .batch import Rows
 from .state import CALLS
+from .stats import carried, stats_from_ids
 
 _BUILTIN = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 
@@ -110,17 +110,20 @@ def _logit_bias(metadata, batch: int):
 
 def _min_tokens(
     metadata, batch: int, device: torch.device
-) -> tuple[Tensor, list[list[int] | None]] | None:
+) -> tuple[Tensor, list[list[int] | None], bool] | None:
+    """Per row the minimum, the stop ids, and whether a row also has a grammar."""
     proc = _processor(metadata, "MinTokensLogitsProcessor")
     if proc is None or not proc.min_toks:
         return None
     minimum = torch.zeros(batch, dtype=torch.int64, device=device)
     stops: list[list[int] | None] = [None] * batch
-    for row, (count, _, stop_ids, _) in proc.min_toks.items():
+    structured = False
+    for row, (count, _, stop_ids, grammar) in proc.min_toks.items():
         if 0 <= row < batch:
             minimum[row] = count
             stops[row] = sorted(stop_ids)
-    return minimum, stops
+            structured = structured or bool(grammar)
+    return minimum, stops, structured
 
 
 def _allowed(metadata, batch: int) -> list[list[int] | None] | None:
@@ -164,6 +167,9 @@ class Plan:
     # vLLM's raw values come before its allowed-token mask, fastsample's after: with allowed
     # ids in a raw mode the plugin computes them itself (logprobs.raw_values).
     raw_before_allowed: bool = False
+    # A row with min-tokens and a grammar: vLLM lets its stop tokens through when the grammar
+    # allows nothing else (MinTokensLogitsProcessor); the sampler redraws such rows.
+    stops_yield_to_grammar: bool = False
 
     def matches(self, metadata, batch: int, vocab: int) -> bool:
         return self.metadata is metadata and (self.batch, self.vocab) == (batch, vocab)
@@ -180,9 +186,10 @@ class Plan:
         if lengths is None:
             lengths = self.counted
         elif not np.array_equal(lengths, self.counted):
-            if self.stats is not None:
-                self.stats = build_stats(self.metadata, self.rows, self.batch, self.vocab,
-                                         lengths)  # fmt: skip
+            if self.stats is not None:  # rebuild the rows that disagree
+                source = np.where(lengths == self.counted, np.arange(self.batch), -1).tolist()
+                self.stats = carried(self.stats, source, lambda which: build_stats(
+                    self.metadata, self.rows, self.vocab, lengths, which))  # fmt: skip
                 CALLS["stats_rebuilds"] += 1
             self.counted = lengths.copy()
         return torch.from_numpy(lengths).to(self.device)
@@ -193,37 +200,48 @@ class Plan:
         self.counted = self.counted + counts
 
 
-def build_stats(metadata, rows: Rows, batch: int, vocab: int, lengths: np.ndarray) -> TokenStats:
-    """The penalties' state of the batch now: prompt bits and output counts, built in a few
-    vectorized ops (no per-token update)."""
+def build_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray,
+                which: list[int]) -> TokenStats:  # fmt: skip
+    """The penalties' state of rows ``which`` now, from their prompts and emitted tokens (the
+    runner's token table, else the metadata's output lists)."""
     prompts = metadata.prompt_token_ids
+    index = torch.tensor(which, dtype=torch.int64)
     if prompts is None:
-        prompts = torch.full((batch, 0), -1, dtype=torch.int64)
-    outputs = rows.output_ids(lengths)
-    if outputs is None:  # no input batch (a dummy run): the metadata's lists
-        lists = metadata.output_token_ids or [[] for _ in range(batch)]
-        width = max((len(x) for x in lists), default=0)
-        outputs = torch.full((batch, width), -1, dtype=torch.int64)
-        for b, row in enumerate(lists[:batch]):
-            if row:
-                outputs[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    device = prompts.device
-    outputs = outputs.to(device)
-    stats = TokenStats.from_prompts(prompts[:batch], vocab)
-    inside = (outputs >= 0) & (outputs < vocab)
-    ids = torch.where(inside, outputs, 0)
-    counts = torch.zeros(batch, vocab, dtype=torch.int32, device=device)
-    counts.scatter_add_(1, ids, inside.to(torch.int32))
-    top = torch.iinfo(stats.output_counts.dtype).max
-    stats.output_counts.copy_(counts.clamp_(max=top).to(stats.output_counts.dtype))
-    stats.output_len.copy_(inside.sum(-1))
-    stats.seen_mask.copy_(stats.prompt_mask | bitmask.pack(counts > 0))
-    return stats
+        prompts = torch.full((len(which), 0), -1, dtype=torch.int64)
+    else:
+        prompts = prompts.index_select(0, index.to(prompts.device))
+    outputs = rows.output_ids(lengths, which)
+    if outputs is None:  # no input batch (a dummy run, a benchmark): the metadata's lists
+        lists = metadata.output_token_ids or []
+        chosen = [list(lists[b]) if b < len(lists) else [] for b in which]
+        outputs = torch.full((len(which), max(map(len, chosen), default=0)), -1)
+        for row, tokens in enumerate(chosen):
+            if tokens:
+                outputs[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    return stats_from_ids(prompts, outputs.to(prompts.device), vocab)
 
 
-def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None = None) -> Plan:
+def plan_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray,
+               previous: Plan | None) -> TokenStats:  # fmt: skip
+    """The batch's state: requests that were in ``previous`` with the lengths it counted keep
+    their rows; the others are built (all of them without request ids)."""
+    batch = len(lengths)
+    source = [-1] * batch
+    if (previous is not None and previous.stats is not None and previous.counted is not None
+            and previous.rows is not None and previous.rows.req_ids and rows.req_ids):  # fmt: skip
+        where = {req_id: row for row, req_id in enumerate(previous.rows.req_ids)}
+        for b, req_id in enumerate(rows.req_ids):
+            row = where.get(req_id, -1)
+            if row >= 0 and previous.counted[row] == lengths[b]:
+                source[b] = row
+    return carried(previous.stats if previous is not None else None, source,
+                   lambda which: build_stats(metadata, rows, vocab, lengths, which))  # fmt: skip
+
+
+def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None = None,
+               previous: Plan | None = None) -> Plan:  # fmt: skip
     """The plan of a metadata object for ``logits`` (``batch`` requests: its rows unless
-    given)."""
+    given); the penalties' state of requests already in ``previous`` is carried over."""
     CALLS["plans"] += 1
     batch = logits.shape[0] if batch is None else batch
     vocab, device = logits.shape[1], logits.device
@@ -271,6 +289,7 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
                            dtype=np.int64)  # fmt: skip
     stats = None
     if params.penalties_on:
-        stats = build_stats(metadata, rows, batch, vocab, lengths)
+        stats = plan_stats(metadata, rows, vocab, lengths, previous)
     return Plan(metadata, batch, vocab, device, None, params, stats, params.seed, rows,
-                lengths.copy(), num_logprobs, ids, own_raw)  # fmt: skip
+                lengths.copy(), num_logprobs, ids, own_raw,
+                min_tokens is not None and min_tokens[2])  # fmt: skip

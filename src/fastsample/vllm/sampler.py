@@ -37,7 +37,7 @@ class FastsampleSampler(Sampler):
         rows = logits.shape[0] if batch is None else batch
         plan = self._plan
         if plan is None or not plan.matches(metadata, rows, logits.shape[1]):
-            plan = build_plan(metadata, logits, self.logprobs_mode, rows)
+            plan = build_plan(metadata, logits, self.logprobs_mode, rows, previous=plan)
             self._plan = plan
             if plan.unsupported is not None:
                 from . import _warn_once
@@ -70,6 +70,13 @@ class FastsampleSampler(Sampler):
             logits, params=params, state=plan.stats, step=positions, token_bitmask=words,
             output_len=positions if params.stop_ids is not None else None,
         )  # fmt: skip
+        if plan.stops_yield_to_grammar and not bool(out.valid.all()):
+            # Rows whose grammar allowed only their (min-tokens-masked) stop tokens: drawn again
+            # with min-tokens off there, as vLLM restores the stop tokens. Other rows draw the
+            # same tokens (same keys and positions).
+            done = torch.where(out.valid, positions, torch.iinfo(torch.int64).max)
+            out = sample_step(logits, params=params, state=plan.stats, step=positions,
+                              token_bitmask=words, output_len=done)  # fmt: skip
         logprobs = None
         if plan.raw_before_allowed:
             values = raw_values(logits, words, self.logprobs_mode)

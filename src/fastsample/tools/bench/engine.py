@@ -319,10 +319,10 @@ def tail_counts(rates: tuple[float, ...] = (1e-8, 1e-9, 5e-10, 3e-10, 1e-10)) ->
             found += 1
         return found
 
-    smallest = min(rates)
-    # g0 >= -3.7 for every 53-bit uniform, so a tail win needs g1 > -log p - 3.7.
-    limit = math.exp(-(-math.log(smallest) - 3.8))
-    out, gaps = np.zeros(1 << 16, dtype=np.int64), np.zeros(1 << 16, dtype=np.float64)
+    # g0 >= -3.62 for every 53-bit uniform, so a tail win needs g1 > -log p - 3.62, that is
+    # 1 - u1 below about exp(-(-log p - 3.62)); the largest rate needs the widest window.
+    limit = math.exp(-(-math.log(max(rates)) - 3.8))
+    out, gaps = np.zeros(1 << 20, dtype=np.int64), np.zeros(1 << 20, dtype=np.float64)
     start = time.perf_counter()
     found = scan(limit, out, gaps)
     seconds = time.perf_counter() - start
