@@ -264,6 +264,10 @@ def test_penalties_state_is_carried_over_when_the_batch_changes(monkeypatch):
     fresh = build_stats(md2, plan.rows, V, plan.rows.lengths(), [0, 1, 2, 3])
     for name in ("prompt_mask", "output_counts", "output_len", "seen_mask"):
         assert torch.equal(getattr(plan.stats, name), getattr(fresh, name)), name
+    # The unseeded requests that stayed keep the random keys they got when they joined.
+    keys = dict(zip(first.req_ids, sampler._plan.keys.tolist(), strict=True))
+    again = dict(zip(second.req_ids, plan.keys.tolist(), strict=True))
+    assert all(again[r] == keys[r] for r in "adc") and again["e"] not in keys.values()
 
 
 def test_a_seeded_row_draws_the_same_tokens_alone_and_in_a_batch():
@@ -335,6 +339,21 @@ def test_verification_layout_and_tokens_are_verify_chains():
     assert torch.equal(tokens.long(), want.token_ids)
     lp = out.logprobs_tensors
     assert lp.logprob_token_ids.shape == (9, 3) and lp.selected_token_ranks.shape == (9,)
+
+
+def test_verification_applies_min_tokens_with_the_drafts_counted():
+    """Min-tokens without penalties: position j of a request counts its output and the j
+    drafts before it; stop id 5, pushed to the top by the logits, is banned until 3 tokens."""
+    requests = [Request(temperature=1.0, min_tokens=3, stop_token_ids=[5], output=[1])]
+    logits = logits_for(4, seed=21)
+    logits[:, 5] = 50.0  # the stop token dominates every position
+    meta = spec_metadata([[7, 8, 9]])
+    out = FastsampleRejectionSampler(FastsampleSampler())(
+        meta, None, logits.clone(), sampling_metadata(requests, V)).sampled_token_ids[0]
+    # Position 0 (1 token so far) and 1 (2 with draft 7) ban 5: drafts 7, 8 are judged by the
+    # target without 5; position 2 (3 tokens) allows it, so 5 is drawn there at the latest.
+    emitted = [t for t in out.tolist() if t >= 0]
+    assert 5 not in emitted[:2] and (len(emitted) < 3 or emitted[2] == 5), emitted
 
 
 def test_greedy_verification_is_vllms_rule():

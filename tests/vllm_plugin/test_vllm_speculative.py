@@ -164,6 +164,18 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_batch(llm):
     assert batch[2] == alone
 
 
+def test_min_tokens_with_drafts(llm):
+    """Min-tokens in verification (no penalties: the plan keeps a state for the lengths):
+    the most likely first token, made a stop id, never ends a request before 4 tokens."""
+    greedy = generated(llm.generate([tokens_prompt(PROMPTS[1])],
+                                    SamplingParams(temperature=0.0, max_tokens=1),
+                                    use_tqdm=False))[0][0]  # fmt: skip
+    params = [SamplingParams(temperature=0.7, min_tokens=4, stop_token_ids=[greedy], seed=s,
+                             max_tokens=12) for s in range(8)]  # fmt: skip
+    out = generated(llm.generate([tokens_prompt(PROMPTS[1])] * 8, params, use_tqdm=False))
+    assert all(len(o) >= 4 and greedy not in o[:4] for o in out), out
+
+
 @pytest.mark.parametrize("refused", [dict(min_p=0.1), dict(logit_bias={5: 1.0})])
 def test_min_p_and_logit_bias_stay_refused(llm, refused):
     from vllm.exceptions import VLLMValidationError

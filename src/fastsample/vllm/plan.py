@@ -46,10 +46,6 @@ from .stats import carried, stats_from_ids
 
 _BUILTIN = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 
-# Keys of unseeded requests, by request id (dropped when the request leaves the batch).
-_KEYS: dict[str, int] = {}
-
-
 def unsupported_reason(metadata) -> str | None:
     """Why vLLM's own code must sample this batch, or None."""
     if metadata.bad_words_token_ids:
@@ -79,19 +75,21 @@ def _as_int64(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def row_keys(metadata, rows: Rows, batch: int, device: torch.device) -> Tensor:
-    """``(B,)`` int64 keys: a seeded row's seed, an unseeded request's random key."""
-    fresh = torch.randint(-(2**63), 2**63 - 1, (batch,), dtype=torch.int64)
-    values = fresh.tolist()
+def row_keys(metadata, rows: Rows, batch: int, device: torch.device,
+             previous: dict[str, int]) -> tuple[Tensor, dict[str, int]]:  # fmt: skip
+    """``(B,)`` int64 keys (a seeded row's seed, an unseeded request's random key) and the
+    unseeded requests' keys by request id. A request keeps the key it got when it joined
+    (``previous``); a new one is drawn from torch's global generator (as vLLM's own sampler
+    draws an unseeded row's noise seed from it, every step)."""
+    values = torch.randint(-(2**63), 2**63 - 1, (batch,), dtype=torch.int64).tolist()
+    keys: dict[str, int] = {}
     if rows.req_ids is not None:
-        live = set(rows.req_ids)
-        for req_id in [r for r in _KEYS if r not in live]:
-            del _KEYS[req_id]
-        values = [_KEYS.setdefault(r, v) for r, v in zip(rows.req_ids, values, strict=True)]
+        values = [previous.get(r, v) for r, v in zip(rows.req_ids, values, strict=True)]
+        keys = dict(zip(rows.req_ids, values, strict=True))
     for row, generator in metadata.generators.items():
         if 0 <= row < batch:
             values[row] = _as_int64(generator.initial_seed())
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, device=device), keys
 
 
 def _min_p(metadata, batch: int, device: torch.device) -> Tensor | None:
@@ -167,12 +165,15 @@ class Plan:
     # vLLM's raw values come before its allowed-token mask, fastsample's after: with allowed
     # ids in a raw mode the plugin computes them itself (logprobs.raw_values).
     raw_before_allowed: bool = False
+    request_keys: dict[str, int] | None = None  # unseeded requests' keys, by request id
     # A row with min-tokens and a grammar: vLLM lets its stop tokens through when the grammar
     # allows nothing else (MinTokensLogitsProcessor); the sampler redraws such rows.
     stops_yield_to_grammar: bool = False
+    for_verify: bool = False
 
-    def matches(self, metadata, batch: int, vocab: int) -> bool:
-        return self.metadata is metadata and (self.batch, self.vocab) == (batch, vocab)
+    def matches(self, metadata, batch: int, vocab: int, verify: bool = False) -> bool:
+        return (self.metadata is metadata and (self.batch, self.vocab) == (batch, vocab)
+                and self.for_verify >= verify)  # fmt: skip
 
     def positions(self) -> Tensor:
         """``(B,)`` int64: each row's position, the tokens it has emitted so far.
@@ -239,9 +240,11 @@ def plan_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray,
 
 
 def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None = None,
-               previous: Plan | None = None) -> Plan:  # fmt: skip
+               previous: Plan | None = None, verify: bool = False) -> Plan:  # fmt: skip
     """The plan of a metadata object for ``logits`` (``batch`` requests: its rows unless
-    given); the penalties' state of requests already in ``previous`` is carried over."""
+    given); the penalties' state of requests already in ``previous`` is carried over.
+    ``verify``: for speculative verification, where min-tokens read the output lengths from
+    the state too (each position adds its drafts), so min-tokens need one."""
     CALLS["plans"] += 1
     batch = logits.shape[0] if batch is None else batch
     vocab, device = logits.shape[1], logits.device
@@ -252,6 +255,8 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
     greedy = metadata.all_greedy or metadata.temperature is None
     temperature = 0.0 if greedy else metadata.temperature[:batch]
     min_tokens = _min_tokens(metadata, batch, device)
+    known = previous.request_keys if previous is not None and previous.request_keys else {}
+    keys, request_keys = row_keys(metadata, rows, batch, device, known)
     num_logprobs = metadata.max_num_logprobs
     ids = metadata.logprob_token_ids or None
     wanted = num_logprobs is not None or ids is not None
@@ -270,7 +275,7 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
         top_p=None if metadata.top_p is None else metadata.top_p[:batch],
         min_p=_min_p(metadata, batch, device),
         cut_order="vllm",
-        seed=row_keys(metadata, rows, batch, device),
+        seed=keys,
         allowed_token_ids=allowed,
         logit_bias=_logit_bias(metadata, batch),
         min_tokens=None if min_tokens is None else min_tokens[0],
@@ -288,8 +293,8 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
         lengths = np.array([len(x) for x in lists[:batch]] + [0] * (batch - len(lists[:batch])),
                            dtype=np.int64)  # fmt: skip
     stats = None
-    if params.penalties_on:
+    if params.penalties_on or (verify and params.stop_ids is not None):
         stats = plan_stats(metadata, rows, vocab, lengths, previous)
     return Plan(metadata, batch, vocab, device, None, params, stats, params.seed, rows,
-                lengths.copy(), num_logprobs, ids, own_raw,
-                min_tokens is not None and min_tokens[2])  # fmt: skip
+                lengths.copy(), num_logprobs, ids, own_raw, request_keys,
+                min_tokens is not None and min_tokens[2], verify)  # fmt: skip

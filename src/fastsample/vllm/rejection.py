@@ -69,7 +69,7 @@ class FastsampleRejectionSampler(RejectionSampler):
         if STATE.delegate or not isinstance(sampler, FastsampleSampler):
             return self.vllm_forward(metadata, draft_probs, logits, sampling_metadata)
         batch = len(metadata.num_draft_tokens)
-        plan = sampler.plan_for(sampling_metadata, logits, batch)
+        plan = sampler.plan_for(sampling_metadata, logits, batch, verify=True)
         if plan.unsupported is not None or thinking_budget_active(sampling_metadata):
             return self.vllm_forward(metadata, draft_probs, logits, sampling_metadata)
         CALLS["verify"] += 1

@@ -32,12 +32,15 @@ class FastsampleSampler(Sampler):
 
     _plan: Plan | None = None
 
-    def plan_for(self, metadata, logits: Tensor, batch: int | None = None) -> Plan:
-        """The plan of ``metadata`` (rebuilt when vLLM rebuilt the metadata)."""
+    def plan_for(self, metadata, logits: Tensor, batch: int | None = None,
+                 verify: bool = False) -> Plan:  # fmt: skip
+        """The plan of ``metadata`` (rebuilt when vLLM rebuilt the metadata; ``verify``: for
+        the rejection sampler, ``batch`` requests)."""
         rows = logits.shape[0] if batch is None else batch
         plan = self._plan
-        if plan is None or not plan.matches(metadata, rows, logits.shape[1]):
-            plan = build_plan(metadata, logits, self.logprobs_mode, rows, previous=plan)
+        if plan is None or not plan.matches(metadata, rows, logits.shape[1], verify):
+            plan = build_plan(metadata, logits, self.logprobs_mode, rows, previous=plan,
+                              verify=verify)  # fmt: skip
             self._plan = plan
             if plan.unsupported is not None:
                 from . import _warn_once
