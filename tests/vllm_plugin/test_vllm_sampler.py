@@ -293,6 +293,32 @@ def test_tokens_are_sample_steps_with_the_seed_and_position():
     assert torch.equal(got[:, 0].long(), want.token_ids[:, 0])
 
 
+def test_a_failing_step_is_sampled_by_vllm_and_warned_once(monkeypatch, caplog):
+    """An exception inside the plugin's step never reaches vLLM (an in-process engine can
+    hang on one): vLLM's own code samples the step, one warning says why."""
+    import logging
+
+    from fastsample.vllm import sampler as sampler_module
+    from fastsample.vllm.state import STATE
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(sampler_module, "sample_step", broken)
+    monkeypatch.setattr(STATE, "warned", set())
+    requests = [Request(temperature=0.0), Request(temperature=0.0)]
+    logits = logits_for(2, seed=4)
+    sampler = FastsampleSampler()
+    before = CALLS["delegated"]
+    with caplog.at_level(logging.WARNING, logger="fastsample.vllm"):
+        for _ in range(3):
+            got = sampler(logits.clone(), sampling_metadata(requests, V)).sampled_token_ids
+    assert torch.equal(got[:, 0].long(), logits.argmax(-1))
+    assert CALLS["delegated"] - before == 3
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "planted" in caplog.text
+
+
 # ----------------------------------------------------------------------------- speculative
 
 

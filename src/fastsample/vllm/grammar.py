@@ -87,7 +87,11 @@ def take(logits: Tensor) -> Tensor | None:
 
 def apply(logits: Tensor) -> None:
     """Write the bitmask left for these logits into them (vLLM's own code samples them)."""
-    words = take(logits)
+    mask(logits, take(logits))
+
+
+def mask(logits: Tensor, words: Tensor | None) -> None:
+    """``-inf`` where ``words`` (one row per logits row) disallow a token, in place."""
     if words is not None:
         allowed = bits.unpack(words, logits.shape[1])
         logits.masked_fill_(~allowed, -math.inf)

@@ -39,7 +39,7 @@ from ..verify.targets import chain_prefixes, processed_positions
 from . import grammar
 from .logprobs import from_full, raw_values
 from .plan import Plan, thinking_budget_active
-from .sampler import FastsampleSampler
+from .sampler import FastsampleSampler, _warn_once
 from .state import CALLS, STATE
 
 
@@ -72,9 +72,25 @@ class FastsampleRejectionSampler(RejectionSampler):
         plan = sampler.plan_for(sampling_metadata, logits, batch, verify=True)
         if plan.unsupported is not None or thinking_budget_active(sampling_metadata):
             return self.vllm_forward(metadata, draft_probs, logits, sampling_metadata)
+        words = grammar.take(logits)
+        try:
+            return self._verify(metadata, draft_probs, logits, sampling_metadata, plan, words)
+        except Exception as exc:  # never take vLLM down: its own code verifies this step
+            sampler._plan = None
+            _warn_once(
+                "error " + type(exc).__name__, "fastsample's vLLM plugin failed a step (%s: %s); "
+                "vLLM's own rejection sampler verified it", type(exc).__name__, exc,
+            )  # fmt: skip
+            CALLS["delegated"] += 1
+            grammar.mask(logits, words)
+            return super().forward(metadata, draft_probs, logits, sampling_metadata)
+
+    def _verify(self, metadata, draft_probs, logits, sampling_metadata, plan: Plan,
+                words: Tensor | None) -> SamplerOutput:  # fmt: skip
+        """One verification with fastsample: ``verify_chain``, the state's update, vLLM's
+        output."""
         CALLS["verify"] += 1
         device = logits.device
-        words = grammar.take(logits)
         positions = plan.positions()
         counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64).to(device)
         logit_rows, draft_rows = layout(metadata, counts, device)

@@ -27,6 +27,12 @@ from .plan import Plan, build_plan, thinking_budget_active
 from .state import CALLS, STATE
 
 
+def _warn_once(key: str, message: str, *args: object) -> None:
+    from . import _warn_once as warn
+
+    warn(key, message, *args)
+
+
 class FastsampleSampler(Sampler):
     """vLLM's ``Sampler`` whose ``forward`` draws with fastsample."""
 
@@ -43,8 +49,6 @@ class FastsampleSampler(Sampler):
                               verify=verify)  # fmt: skip
             self._plan = plan
             if plan.unsupported is not None:
-                from . import _warn_once
-
                 _warn_once(
                     "unsupported " + plan.unsupported, "fastsample's vLLM plugin leaves "
                     "batches with %s to vLLM's own sampler", plan.unsupported,
@@ -64,8 +68,22 @@ class FastsampleSampler(Sampler):
         plan = self.plan_for(sampling_metadata, logits)
         if plan.unsupported is not None or thinking_budget_active(sampling_metadata):
             return self.vllm_forward(logits, sampling_metadata)
-        CALLS["sample"] += 1
         words = grammar.take(logits)
+        try:
+            return self._draw(logits, plan, words)
+        except Exception as exc:  # never take vLLM down: its own code samples this step
+            self._plan = None  # the next step starts from a fresh plan
+            _warn_once(
+                "error " + type(exc).__name__, "fastsample's vLLM plugin failed a step (%s: %s); "
+                "vLLM's own sampler drew it", type(exc).__name__, exc,
+            )  # fmt: skip
+            CALLS["delegated"] += 1
+            grammar.mask(logits, words)
+            return super().forward(logits, sampling_metadata)
+
+    def _draw(self, logits: Tensor, plan: Plan, words: Tensor | None) -> SamplerOutput:
+        """One step with fastsample: ``sample_step``, the state's update, vLLM's output."""
+        CALLS["sample"] += 1
         positions = plan.positions()
         params = plan.params
         assert params is not None
