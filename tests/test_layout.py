@@ -23,6 +23,7 @@ RANKS = {
     "verify": 3,
     "distributed": 3,
     "hf": 4,
+    "vllm": 4,
     "tools": 5,
 }
 TOP = 6  # fastsample/__init__.py and __main__.py

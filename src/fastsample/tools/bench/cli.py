@@ -44,6 +44,7 @@ MODES: tuple[Mode, ...] = (
     Mode("controls", "controls"),
     Mode("generate", "generate"),
     Mode("launches", "launches"),
+    Mode("engine", "engine"),
 )
 """Checked in order; the first chosen one runs."""
 
@@ -157,6 +158,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="benchmark text generation with transformers: fastsample.hf's loop and speculative "
         "decoding against generate and assisted generation (fastsample.tools.bench.generate; "
         "needs fastsample[hf])",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("vllm",),
+        default=None,
+        help="benchmark an inference engine's sampling with and without fastsample's plugin: "
+        "vLLM's sampler step at every --batch (default 1 8 64) and the first --vocab (default "
+        "128256), and LLM.generate on a tiny model (fastsample.tools.bench.engine; needs vLLM)",
+    )
+    parser.add_argument(
+        "--tail",
+        action="store_true",
+        help="with --engine vllm: count vLLM's CPU draw of far-tail tokens exactly over all "
+        "2**31 seeds (needs numba; about a minute)",
+    )
+    parser.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="with --engine vllm: skip the LLM.generate part",
     )
     parser.add_argument(
         "--launches",
