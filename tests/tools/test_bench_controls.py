@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from fastsample.__main__ import main
-from fastsample.ops.threads import one_thread
 from fastsample.tools.bench import controls as bench_controls
 from reference import reference_probs
 from stattests import LawCase, assert_law
+from torch_threads import one_thread
 
 
 def test_controls_bench_runs_every_setting(tmp_path, capsys):

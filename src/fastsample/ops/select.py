@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import threads
 from .inverse_cdf import BLOCK
 from .pieces import piece_rows
 
@@ -321,7 +322,12 @@ def block_maxima(values: Tensor) -> Tensor:
     """``(B, ceil(V / BLOCK))`` maxima of consecutive blocks (NaN propagates)."""
     batch, vocab = values.shape
     full = vocab // BLOCK
-    parts = [values[:, : full * BLOCK].reshape(batch, full, BLOCK).amax(-1)]
+    whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
+    if batch * full * BLOCK >= threads.GRAIN and threads.serial_passes(values.device):
+        out = torch.empty(batch, full, dtype=values.dtype, device=values.device)
+        parts = [threads.blockwise_(values, out, BLOCK, "amax")]
+    else:  # one op: a parallel region over a long input (fastsample.ops.threads)
+        parts = [whole.amax(-1)]
     if vocab % BLOCK:
         parts.append(values[:, full * BLOCK :].amax(-1, keepdim=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

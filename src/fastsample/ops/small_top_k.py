@@ -75,7 +75,6 @@ from .select import (
     first_argmax,
     order_key,
 )
-from .threads import one_thread, pass_threads
 from .validation import Controls
 from .weights import controls_in_range, logit_weights_divided_, temperature_divisor
 
@@ -170,12 +169,10 @@ def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSo
     ``greedy_ids`` tell the rows to replace by their first maximal index (drawn at ``T = 1``
     here, like the general path draws them).
     """
-    # One pass over the logits (torch's threads if it is large), then a chain of small ops
-    # on one thread: a busy machine stalls parallel regions (see fastsample.ops.threads).
-    with pass_threads(logits.device, logits.numel()):
-        maxima = block_maxima(logits)
-    with one_thread(logits.device):
-        return _draw_from_maxima(logits, maxima, controls, num_samples, source)
+    # One pass over the logits (torch's threads), then a chain of small ops
+    # (see fastsample.ops.threads).
+    maxima = block_maxima(logits)
+    return _draw_from_maxima(logits, maxima, controls, num_samples, source)
 
 
 def _draw_from_maxima(
