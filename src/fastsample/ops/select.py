@@ -323,7 +323,7 @@ def block_maxima(values: Tensor) -> Tensor:
     batch, vocab = values.shape
     full = vocab // BLOCK
     whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
-    if batch * full * BLOCK >= threads.GRAIN and threads.serial_passes(values.device):
+    if threads.serial_passes(values.device, batch * full * BLOCK):
         out = torch.empty(batch, full, dtype=values.dtype, device=values.device)
         parts = [threads.blockwise_(values, out, BLOCK, "amax")]
     else:  # one op: a parallel region over a long input (fastsample.ops.threads)

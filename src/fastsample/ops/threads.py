@@ -1,27 +1,34 @@
 """CPU threads: a call changes no thread setting, and its chains of small ops open no parallel
 region.
 
-On CPU, torch runs an op over at least :data:`GRAIN` (32,768, ATen's ``GRAIN_SIZE``) elements
-as an OpenMP parallel region on all its threads, and every region ends at a barrier; an op
-over fewer elements runs on the calling thread alone. On a machine whose cores are shared (the
-normal state of an inference server) a region waits for its slowest thread, which may not be
-scheduled for milliseconds: measured on the 2-core VM with other processes running, a ``fill_``
-of 50,000 floats took 22 ms with 2 threads and 4 us with one, and a sampling call made of a
-few dozen such ops ran 5-10x slower with 2 threads than with one.
+On CPU, torch runs an op over enough elements as an OpenMP parallel region on all its threads,
+and every region ends at a barrier; an op over fewer elements runs on the calling thread
+alone. "Enough" is ATen's grain: :data:`GRAIN` (32,768) for elementwise ops, reductions,
+``gather``, ``scatter``, ``nonzero`` and ``cat``; :data:`INDEX_GRAIN` (3,000) for advanced
+indexing (``x[rows, cols]``, ``index_put_``); :data:`VML_GRAIN` (2,048) for ``exp`` and ``log``;
+``topk``, ``cumsum`` and ``sort`` split over rows. On a machine whose cores are shared (the
+normal state of an inference server, and of the 2-core VM this project is measured on) a region
+waits for its slowest thread, which may not be scheduled for milliseconds: measured there, a
+``fill_`` of 50,000 floats took 22 ms with 2 threads and 4 us with one, a block-maxima pass at
+B=1 took 5 ms instead of 13 us in a loaded spell, and a call made of a few dozen such ops ran
+5-10x slower with 2 threads than with one.
 
 The thread count is the caller's: the library never calls ``torch.set_num_threads`` (it is
 process-wide, other threads would see it change during a call, and vLLM's CPU worker replaces
 it with a warning). Instead:
 
-* the chains of small ops are shaped to stay under the grain (per-row tables of a few hundred
-  entries, candidate lists), so they never open a region, whatever the thread count;
+* the chains of small ops are shaped to stay under those grains (per-row tables of a few
+  hundred entries, candidate lists, rows in pieces, ``gather``/``scatter`` on flat views
+  rather than advanced indexing, ``exp`` in pieces of :data:`VML_GRAIN`), so they open no
+  region whatever the thread count (``tests/test_threads.py`` counts the worker threads'
+  wake-ups);
 * the few passes over the whole input (the block maxima of the logits, the copy into the
-  stages' buffer, the raw log normalizer) keep torch's threads: one region per pass, which
-  beside two busy loops cost about what the same pass costs on one thread, and on a quiet
-  2-core machine ran ~1.8x faster (``docs/cpu-primitive-costs.md``);
-* ``FASTSAMPLE_CPU_SERIAL=1`` (read at every call) runs those passes too in pieces under the
-  grain: a call then opens no parallel region at all (each pass ~1.3x its one-thread time),
-  for machines so loaded that a single region costs more than the pass.
+  stages' buffer, the raw log normalizer) run in pieces under the grain when the input is
+  small (fewer than :data:`PARALLEL_PASS_ELEMENTS`, B <= 8 at V = 128,256: the second thread
+  would save tens of microseconds and risk milliseconds), and keep torch's threads above: one
+  region per pass, ~2.5x faster than one thread on the quiet 2-core machine at B=64;
+* ``FASTSAMPLE_CPU_SERIAL`` (read at every call) overrides that: ``1`` runs every pass in
+  pieces (a call then opens no parallel region at all), ``0`` runs every pass as one op.
 
 Results never depend on any of this: every reduction here sums or compares within a row (or a
 block) in the same order whatever the pieces and the thread count.
@@ -35,18 +42,49 @@ import torch
 from torch import Tensor
 
 GRAIN = 32768
-"""ATen's ``at::internal::GRAIN_SIZE``: CPU ops over fewer elements run on the calling thread
-(TensorIterator loops and reductions, ``topk``, ``cumsum``, ``index_select``, ...)."""
+"""ATen's ``at::internal::GRAIN_SIZE``: elementwise ops, reductions, ``gather``, ``scatter``,
+``nonzero``, ``cat`` over fewer elements run on the calling thread."""
+
+INDEX_GRAIN = 3000
+"""ATen's grain of advanced indexing (``index``, ``index_put_``): 3,000 elements."""
+
+VML_GRAIN = 2048
+"""ATen's grain of the vectorized math functions (``exp``, ``log``): 2,048 elements."""
+
+PARALLEL_PASS_ELEMENTS = 1 << 20
+"""Passes over at least this many elements keep torch's threads (unless
+``FASTSAMPLE_CPU_SERIAL=1``); smaller ones run in pieces under the grain. Measured on the
+2-core Xeon (block maxima of fresh float32 logits, V = 128,256): B=1 13 us in one op against 37
+us in pieces, B=8 95 against 300 us, B=64 1.7 against 4.3 ms, while a region stalled by a
+descheduled thread costs milliseconds (``docs/cpu-primitive-costs.md``)."""
 
 SERIAL_ENV = "FASTSAMPLE_CPU_SERIAL"
 
 
-def serial_passes(device: torch.device) -> bool:
-    """Whether this call runs its passes over the input in pieces under the grain (CPU eager,
-    ``FASTSAMPLE_CPU_SERIAL`` set to a value other than ``0`` or empty; read at every call)."""
-    if device.type != "cpu" or torch.compiler.is_compiling():
+def serial_passes(device: torch.device, elements: int) -> bool:
+    """Whether a pass over ``elements`` runs in pieces under the grain: CPU eager, and
+    ``FASTSAMPLE_CPU_SERIAL`` is ``1`` (always), ``0`` (never) or unset (below
+    :data:`PARALLEL_PASS_ELEMENTS`). Read at every call."""
+    if device.type != "cpu" or torch.compiler.is_compiling() or elements < GRAIN:
         return False
-    return os.environ.get(SERIAL_ENV, "0") not in ("", "0")
+    setting = os.environ.get(SERIAL_ENV, "")
+    if setting in ("", "auto"):
+        return elements < PARALLEL_PASS_ELEMENTS
+    return setting != "0"
+
+
+def exp_(values: Tensor) -> Tensor:
+    """``values.exp_()`` for the chains of small ops: in pieces of :data:`VML_GRAIN` elements
+    on CPU (eager), so it opens no parallel region; the same numbers (the function is applied
+    element by element, and torch's CPU ``exp`` rounds the same value the same way wherever
+    it sits in its loop)."""
+    count = values.numel()
+    if count <= VML_GRAIN or values.device.type != "cpu" or torch.compiler.is_compiling():
+        return values.exp_()
+    flat = values.view(-1)
+    for start in range(0, count, VML_GRAIN):
+        flat[start : start + VML_GRAIN].exp_()
+    return values
 
 
 def grain_rows(batch: int, row_elements: int) -> int:

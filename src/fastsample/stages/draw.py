@@ -105,16 +105,25 @@ def draw(
         return Drawn(out, greedy=_all_rows(batch, source.device))
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
-        got = small_top_k.draw(logits, controls, num_samples, rng)
+        got = small_top_k.draw(logits, controls, num_samples, rng, num_top)
         token_ids, genuine = got.token_ids.clamp_max_(vocab - 1), got.genuine
         if got.greedy is not None:  # tensor temperature: greedy rows as the general path
             greedy_ids, greedy_genuine = _greedy_draws(logits, True, num_samples, got)
             token_ids = torch.where(got.greedy[:, None], greedy_ids, token_ids)
             genuine = torch.where(got.greedy[:, None], greedy_genuine, genuine)
-        out = finish(logits, token_ids, genuine, got.total, got.valid, got.read)
+        # CPU eager (the draw's weights came back): one host read spares the bad-row policy's
+        # ops when every row is clean.
+        clean = got.weights is not None and bool((got.valid[:, None] & genuine).all())
+        out = finish(logits, token_ids, genuine, got.total, got.valid, got.read, got.weights,
+                     clean)  # fmt: skip
         if got.greedy is not None:  # a point mass, as below
             out = _point_masses(out, got.valid, genuine, got.greedy)
-        if num_top:
+        if num_top and got.top_ids is not None:  # the top-N came with the draw (CPU eager)
+            assert got.top_weights is not None
+            out = _top_logprobs(
+                out, got.top_ids, got.top_weights, got.total, got.valid, all_clean=clean
+            )
+        elif num_top:
             out = _with_top_logprobs(
                 out, logits, num_top, got.maxima, got.read, got.total, got.valid, got.greedy
             )
@@ -258,10 +267,26 @@ def _with_top_logprobs(
     """
     _, top_ids = top_entries(source, num_top, maxima)
     kept = weights_at(top_ids).to(torch.float64)
+    return _top_logprobs(out, top_ids, kept, total, valid, greedy)
+
+
+def _top_logprobs(
+    out: SampleOutput,
+    top_ids: Tensor,
+    kept: Tensor,
+    total: Tensor,
+    valid: Tensor,
+    greedy: Tensor | None = None,
+    all_clean: bool = False,
+) -> SampleOutput:
+    """``out`` with the top tokens ``top_ids`` and their log-probabilities from their kept
+    weights ``kept`` (float64) over ``total`` (``all_clean``: every row valid, read on the
+    host)."""
     logprobs = kept.log() - total.log()[:, None]
     if greedy is not None:  # a point mass on the first (greedy) token
-        rank = torch.arange(num_top, device=source.device)
+        rank = torch.arange(top_ids.shape[1], device=top_ids.device)
         point = torch.where(rank == 0, 0.0, -math.inf).to(torch.float64)
         logprobs = torch.where(greedy[:, None], point, logprobs)
-    logprobs = torch.where(valid[:, None], logprobs, -math.inf)
+    if not all_clean:
+        logprobs = torch.where(valid[:, None], logprobs, -math.inf)
     return out._replace(top_token_ids=top_ids, top_logprobs=logprobs.to(out.probs.dtype))
