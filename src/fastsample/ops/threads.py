@@ -73,6 +73,24 @@ def serial_passes(device: torch.device, elements: int) -> bool:
     return setting != "0"
 
 
+def copy_(out: Tensor, values: Tensor) -> Tensor:
+    """``out.copy_(values)`` for a pass over the input: in row pieces under the grain where
+    :func:`serial_passes` says so (the same values either way)."""
+    count = values.numel()
+    if not serial_passes(values.device, count) or values.dim() != 2:
+        return out.copy_(values)
+    batch, width = values.shape
+    if width >= GRAIN:  # long rows: pieces of each row
+        for row in range(batch):
+            for start in range(0, width, GRAIN - 1):
+                out[row, start : start + GRAIN - 1].copy_(values[row, start : start + GRAIN - 1])
+        return out
+    step = grain_rows(batch, width)
+    for start in range(0, batch, step):
+        out[start : start + step].copy_(values[start : start + step])
+    return out
+
+
 def exp_(values: Tensor) -> Tensor:
     """``values.exp_()`` for the chains of small ops: in pieces of :data:`VML_GRAIN` elements
     on CPU (eager), so it opens no parallel region; the same numbers (the function is applied

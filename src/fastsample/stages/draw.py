@@ -53,6 +53,8 @@ class Drawn(NamedTuple):
             ``want_greedy``).
         streams_flagged: whether ``out`` already flags rows with an out-of-range tensor
             ``stream`` (the kernels do).
+        maxima: ``(B, blocks)`` block maxima of the source, when the draw computed them (the
+            logprobs stage reuses them), or None.
     """
 
     out: SampleOutput
@@ -60,6 +62,7 @@ class Drawn(NamedTuple):
     total: Tensor | None = None
     greedy: Tensor | None = None
     streams_flagged: bool = False
+    maxima: Tensor | None = None
 
 
 def draw(
@@ -127,7 +130,7 @@ def draw(
             out = _with_top_logprobs(
                 out, logits, num_top, got.maxima, got.read, got.total, got.valid, got.greedy
             )
-        return Drawn(out, got.read, got.total, got.greedy)
+        return Drawn(out, got.read, got.total, got.greedy, maxima=got.maxima)
     processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
     if controls.all_greedy:  # nothing random: skip the draw
         token_ids, genuine = _greedy_draws(source, is_logits, num_samples, processed)
@@ -157,7 +160,7 @@ def draw(
             out, source, num_top, processed.maxima, weights_at, processed.total, valid,
             processed.greedy,
         )  # fmt: skip
-    return Drawn(out, weights_at, processed.total, processed.greedy)
+    return Drawn(out, weights_at, processed.total, processed.greedy, maxima=processed.maxima)
 
 
 def _all_rows(batch: int, device: torch.device) -> Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..ops import bitmask
-from ..ops.threads import grain_rows
+from ..ops.threads import GRAIN, grain_rows
 from .state import TokenStats
 
 Penalty = float | Tensor | None
@@ -102,7 +102,7 @@ def _sparse_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
     grain (fastsample.ops.threads), so no op opens a parallel region."""
     batch = x.shape[0]
     words = stats.seen_mask.shape[1]
-    step = grain_rows(batch, words)
+    step = grain_rows(batch, words // 2 if words % 2 == 0 else words)
     for start in range(0, batch, step):
         piece = slice(start, min(start + step, batch))
         _sparse_piece_(
@@ -114,22 +114,33 @@ def _sparse_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
 
 
 def seen_positions(words: Tensor) -> tuple[Tensor, Tensor]:
-    """``(row, column)`` of every set bit of ``(R, W)`` int32 ``words``: the nonzero words (a
-    few hundred per row of a 128k vocabulary), then their bits, lowest first, one round per
-    bit still set (such a word rarely holds more than a few)."""
+    """``(row, column)`` of every set bit of ``(R, W)`` int32 ``words`` (as 64-bit words when
+    ``W`` is even: half as many to scan). The nonzero words are a few hundred per row of a
+    128k vocabulary and most hold one bit, so rounds take each word's lowest set bit (its
+    index is the exponent of a power of two, exact in float64) until the few words left can
+    give all their bits at once (one shift per bit) with fewer entries than the parallel
+    grain."""
+    if words.shape[1] % 2 == 0 and words.is_contiguous():
+        words, bits = words.view(torch.int64), 64
+    else:
+        bits = bitmask.WORD_BITS
     row, word = words.nonzero(as_tuple=True)
-    left = words.reshape(-1).gather(0, row * words.shape[1] + word).to(torch.int64) & 0xFFFFFFFF
+    value = words.view(-1).gather(0, row * words.shape[1] + word)
+    if bits == 32:
+        value = value.to(torch.int64).bitwise_and_(0xFFFFFFFF)
     rows_out, columns_out = [], []
-    while True:
-        low = left & -left  # the lowest set bit: a power of two, exact in float64
-        bit = torch.frexp(low.to(torch.float64)).exponent.sub_(1)
-        rows_out.append(row)
-        columns_out.append(word * bitmask.WORD_BITS + bit)
-        left = left.bitwise_xor_(low)
-        more = left != 0
-        if not bool(more.any()):
+    while value.shape[0]:
+        if value.shape[0] * bits < GRAIN:  # the rest, every bit at once
+            lanes = torch.arange(bits, device=words.device)
+            which, lane = ((value[:, None] >> lanes) & 1).nonzero(as_tuple=True)
+            rows_out.append(row.index_select(0, which))
+            columns_out.append(word.index_select(0, which).mul_(bits).add_(lane))
             break
-        row, word, left = row[more], word[more], left[more]
+        low = value & -value  # the lowest set bit (bit 63: the int64 minimum, exponent 64)
+        rows_out.append(row)
+        columns_out.append(torch.frexp(low.to(torch.float64)).exponent.sub_(1).add_(word * bits))
+        left = (value.bitwise_xor_(low) != 0).nonzero().squeeze(1)
+        row, word, value = row[left], word[left], value[left]
     if len(rows_out) == 1:
         return rows_out[0], columns_out[0]
     return torch.cat(rows_out), torch.cat(columns_out)
