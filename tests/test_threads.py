@@ -8,7 +8,9 @@ are made of ops under torch's parallel grain.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastsample as fs
 from fastsample.ops import select, threads
+
+GRAIN_TEST = 4 * threads.GRAIN
 
 
 def _calls():
@@ -136,3 +140,78 @@ def test_serial_block_maxima_open_no_parallel_region(monkeypatch, batch):
             pieces = select.block_maxima(values)
         assert log.sizes and max(log.sizes) < threads.GRAIN
         assert torch.equal(pieces, whole)
+
+
+def _worker_wakeups() -> int:
+    """Context switches of this process's threads other than the calling one (torch's OpenMP
+    workers): they sleep until a parallel region wakes them."""
+    me = threading.get_native_id()
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        if int(task) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/status") as status:
+                for line in status:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        total += int(line.split()[1])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+@pytest.mark.parametrize(("serial", "batch"), [("1", 64), ("", 1), ("", 8)])
+def test_calls_open_no_parallel_region(monkeypatch, serial, batch):
+    """No op of these calls wakes torch's worker threads: in the serial mode at B=64, and by
+    default at B <= 8 (passes under PARALLEL_PASS_ELEMENTS run in pieces). The check: the
+    workers' context switches do not move during the calls (each region wakes them)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs on one thread here: no region can open")
+    monkeypatch.setenv(threads.SERIAL_ENV, serial)
+    gen = torch.Generator().manual_seed(batch)
+    vocab = 128_256
+    x = torch.randn(batch, vocab, generator=gen) * 3
+    rows = torch.full((batch,), 1.0)
+    stats = fs.TokenStats.from_prompts(
+        torch.randint(0, vocab, (batch, 512), generator=gen), vocab,
+        outputs=torch.randint(0, vocab, (batch, 128), generator=gen),
+    )  # fmt: skip
+    calls = [
+        lambda: fs.sample(x, temperature=rows * 0.7, top_k=torch.full((batch,), 50),
+                          top_p=rows * 0.9, seed=torch.arange(batch), top_logprobs=5),
+    ]  # fmt: skip
+    for mode in ("processed", "raw"):
+        params = fs.StepParams(
+            batch, vocab, temperature=rows * 0.7, top_k=torch.full((batch,), 50),
+            top_p=rows * 0.9, seed=torch.arange(batch), repetition_penalty=rows * 1.1,
+            frequency_penalty=rows * 0.2, presence_penalty=rows * 0.1, top_logprobs=5,
+            logprobs_mode=mode, token_ranks=True,
+        )  # fmt: skip
+        calls.append(lambda params=params: fs.sample_step(x, params=params, state=stats, step=1))
+    for call in calls:
+        call()  # lazy set-up first
+    torch.ones(GRAIN_TEST).sum()  # a region, then let the workers go to sleep
+    time.sleep(0.3)
+    before = _worker_wakeups()
+    for call in calls:
+        call()
+    time.sleep(0.05)
+    assert _worker_wakeups() == before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_the_wakeup_count_sees_a_region(monkeypatch):
+    """Negative control of the test above: the default mode's B=64 pass over the logits
+    (one parallel region) moves the count."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs on one thread here: no region can open")
+    monkeypatch.setenv(threads.SERIAL_ENV, "0")
+    x = torch.randn(64, 128_256)
+    call = lambda: fs.sample(x, top_k=50, temperature=0.7)  # noqa: E731
+    call()
+    time.sleep(0.3)
+    before = _worker_wakeups()
+    call()
+    time.sleep(0.05)
+    assert _worker_wakeups() > before

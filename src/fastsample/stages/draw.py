@@ -223,8 +223,9 @@ def _all_greedy(
     probability 1, from block maxima alone (plus the minimum for probabilities).
     ``rows_ok`` (``(B,)`` bool, tensor controls in range) flags the other rows invalid."""
     maxima = block_maxima(source)
-    # The row maximum and the first block holding it (torch.max returns the first index).
-    best, block = maxima.max(-1, keepdim=True)
+    # The row maximum and the first block holding it.
+    block = maxima.argmax(-1, keepdim=True)  # the first maximal index (documented)
+    best = maxima.gather(1, block)
     if is_logits:
         valid = best.isfinite()  # (B, 1); NaN, +inf and an all -inf row are not
     else:

@@ -62,7 +62,8 @@ def raw_normalizer(scores: Tensor, is_logits: bool, maxima: Tensor | None = None
         return RawNormalizer(scores, total.log(), False, maxima)
     if maxima is None:
         maxima = block_maxima(scores)
-    peak, block = maxima.max(-1, keepdim=True)  # the row maximum and its first block
+    block = maxima.argmax(-1, keepdim=True)  # the first block holding the row maximum
+    peak = maxima.gather(1, block)
     first = first_in_block(scores, block)[:, None]
     dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     probs = scratch.buffer("raw softmax", (batch, vocab), dtype, scores.device)
