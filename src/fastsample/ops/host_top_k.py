@@ -30,12 +30,13 @@ caller takes :mod:`~fastsample.ops.small_top_k`'s general steps: same numbers, m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from . import threads
+from . import host_floats, threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw
 from .noise import UniformSource
@@ -139,11 +140,67 @@ def draw(
         distinct = all(found_flags[1:])
     elif not bool(common.all()):
         return None
+    # A few rows, one draw: the cuts in Python floats (host_floats), bitwise these ops'.
+    few = batch <= host_floats.HOST_ROWS and num_samples == 1
+    if few:
+        scales = host_floats.scales(
+            wide_weights.tolist(), wide_values.tolist(), k_rows, count, controls
+        )
+        scale = torch.tensor(scales, dtype=torch.float32, device=logits.device)[:, None]
+    else:
+        scale = _scale(wide_weights, wide_values, cut_k, x_k, count, controls)
+
+    def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
+        return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
+
+    width = vocab + vocab % 2  # the general path's even-width weight buffer
+
+    def read(columns: Tensor) -> Tensor:  # columns below width (the draw clamps them)
+        if width == vocab:
+            return keep(weigh(logits.gather(1, columns)))
+        w = weigh(logits.gather(1, columns.clamp_max(vocab - 1)))
+        return keep(torch.where(columns < vocab, w, 0.0))  # the buffer's padding weighs 0
+
+    kept = keep(wide_weights.clone())
+    drew = None
+    if few:  # the block sums and the draw in Python floats (host_floats), when they can be
+        drew = _few_rows_draw(kept, ids[:, :wide], blocks, width, source, read)
+    if drew is not None:
+        token_ids, genuine, total, weights = drew
+    else:
+        sums = _block_sums(kept, ids[:, :wide], blocks, width).to(torch.float64)
+        shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
+        drawn: list[Tensor] = []
+        token_ids, genuine, total = inverse_cdf_draw(
+            shape, num_samples, source, sums=sums, read=read, weights_out=drawn
+        )
+        weights = drawn[0] if num_samples == 1 else torch.cat(drawn, dim=1)
+    valid = (total > 0) & (total < math.inf)
+    if not _controls_fine(controls, t_rows, batch):
+        from .weights import controls_in_range
+
+        valid = valid & controls_in_range(controls, batch, logits.device)
+    top_ids = top_weights = None
+    if num_top and distinct:  # the candidates come largest first
+        top_ids, top_weights = ids[:, :num_top], kept[:, :num_top].to(torch.float64)
+    elif num_top:  # equal values among them: ties by the lower index
+        order = _largest_first(values[:, :wide], ids[:, :wide], num_top)
+        top_ids = ids[:, :wide].gather(1, order)
+        top_weights = kept.gather(1, order).to(torch.float64)
+    return HostDrawn(token_ids, genuine, total, valid, read, weights, top_ids, top_weights)
+
+
+def _scale(
+    wide_weights: Tensor, wide_values: Tensor, cut_k: Tensor, x_k: Tensor, count: int,
+    controls: Controls,
+) -> Tensor:  # fmt: skip
+    """``(B, 1)`` float32 ``max(cut_k, cut_p, cut_min, CUT_FLOOR)`` by tensor ops."""
+    batch = wide_weights.shape[0]
     candidates = wide_weights[:, :count]
     cut = cut_k
     cut_min = None
     if controls.min_p is not None:  # the largest weight is 1
-        cut_min = _rows(controls.min_p, batch, logits.device)
+        cut_min = _rows(controls.min_p, batch, wide_weights.device)
     if controls.top_p is not None:
         floor_p = cut_k
         # Besides the entries above cut_k (all candidates) only ties at it reach x_low = x_k.
@@ -160,40 +217,45 @@ def draw(
         cut = torch.maximum(cut, cut_p)
     if cut_min is not None:
         cut = torch.maximum(cut, cut_min)
-    scale = cut.clamp_min(CUT_FLOOR[torch.float32])[:, None]
+    return cut.clamp_min(CUT_FLOOR[torch.float32])[:, None]
 
-    def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
-        return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
 
-    width = vocab + vocab % 2  # the general path's even-width weight buffer
-
-    def read(columns: Tensor) -> Tensor:  # columns below width (the draw clamps them)
-        if width == vocab:
-            return keep(weigh(logits.gather(1, columns)))
-        w = weigh(logits.gather(1, columns.clamp_max(vocab - 1)))
-        return keep(torch.where(columns < vocab, w, 0.0))  # the buffer's padding weighs 0
-
-    kept = keep(wide_weights.clone())
-    sums = _block_sums(kept, ids[:, :wide], blocks, width).to(torch.float64)
-    shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
-    drawn: list[Tensor] = []
-    token_ids, genuine, total = inverse_cdf_draw(
-        shape, num_samples, source, sums=sums, read=read, weights_out=drawn
+def _few_rows_draw(
+    kept: Tensor, ids: Tensor, blocks: int, width: int, source: UniformSource,
+    read: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """One draw for a few rows with the block sums and the inverse CDF in Python floats
+    (:mod:`.host_floats`): ``(token_ids, genuine, total, weights)`` as
+    :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` gives them, or None (a block holds
+    three or more kept weights: torch sums it) before any uniform is drawn."""
+    batch = kept.shape[0]
+    device = kept.device
+    rows = host_floats.block_values(kept.tolist(), ids.tolist())
+    if rows is None:
+        return None
+    # The float64 table of block sums, for its total: torch's sum over the row (its order).
+    table = torch.zeros(batch * blocks, dtype=torch.float64, device=device)
+    places = [b * blocks + block for b, row in enumerate(rows) for block, _ in row]
+    table.index_put_((torch.tensor(places, device=device),),
+                     torch.tensor([x for row in rows for _, x in row], dtype=torch.float64,
+                                  device=device))  # fmt: skip
+    total = table.view(batch, blocks).sum(-1)
+    uniforms = (
+        source.host_row_uniforms(1)
+        if hasattr(source, "host_row_uniforms")
+        else source.row_uniforms(1).tolist()
     )
-    valid = (total > 0) & (total < math.inf)
-    if not _controls_fine(controls, t_rows, batch):
-        from .weights import controls_in_range
+    offsets = _offsets(device)
 
-        valid = valid & controls_in_range(controls, batch, logits.device)
-    weights = drawn[0] if num_samples == 1 else torch.cat(drawn, dim=1)
-    top_ids = top_weights = None
-    if num_top and distinct:  # the candidates come largest first
-        top_ids, top_weights = ids[:, :num_top], kept[:, :num_top].to(torch.float64)
-    elif num_top:  # equal values among them: ties by the lower index
-        order = _largest_first(values[:, :wide], ids[:, :wide], num_top)
-        top_ids = ids[:, :wide].gather(1, order)
-        top_weights = kept.gather(1, order).to(torch.float64)
-    return HostDrawn(token_ids, genuine, total, valid, read, weights, top_ids, top_weights)
+    def read_blocks(starts: list[int]) -> list[list[float]]:
+        columns = (torch.tensor(starts, device=device)[:, None] + offsets).clamp_max_(width - 1)
+        return read(columns).to(torch.float64).tolist()
+
+    tokens, weights = host_floats.draw_one(rows, [u[0] for u in uniforms], read_blocks, width)
+    token_ids = torch.tensor(tokens, device=device)[:, None]
+    genuine = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    drawn = torch.tensor(weights, dtype=torch.float64, device=device)[:, None]
+    return token_ids, genuine, total, drawn
 
 
 _NEG_INF = torch.full((), -math.inf, dtype=torch.float32)

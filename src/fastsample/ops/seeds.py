@@ -217,6 +217,15 @@ class CounterSource:
     def row_uniforms(self, num: int) -> Tensor:
         return self.uniforms(Purpose.DRAW, 0, num)
 
+    def host_row_uniforms(self, num: int) -> list[list[float]]:
+        """:meth:`row_uniforms` as Python floats, computed on the host where that is free
+        (a few rows on CPU, eager), else read from the tensor."""
+        on_host = self._host_words((num + 1) // 2)
+        if on_host is not None:
+            seeds, steps, streams, _ = on_host
+            return _host_values(seeds, steps, streams, int(Purpose.DRAW), 0, num)
+        return self.row_uniforms(num).tolist()
+
     def entry_uniforms(self, start: int, length: int) -> Tensor:
         return self.uniforms(Purpose.ENTRY, start, length)
 
@@ -233,6 +242,14 @@ def _host_uniforms(
 ) -> Tensor:  # fmt: skip
     """:meth:`CounterSource.uniforms` computed with Python ints: the same Philox-4x32-10
     words, the same 53-bit integers, exactly the same float64 uniforms."""
+    rows = _host_values(seeds, steps, streams, purpose, start, length)
+    return torch.tensor(rows, dtype=torch.float64, device=device).view(len(rows), length)
+
+
+def _host_values(
+    seeds: list[int], steps: list[int], streams: list[int], purpose: int, start: int, length: int
+) -> list[list[float]]:
+    """The uniforms of :func:`_host_uniforms` as Python floats, row by row."""
     first, last = start // 2, (start + length - 1) // 2
     offset = start - 2 * first
     rows = []
@@ -246,7 +263,7 @@ def _host_uniforms(
             row.append(((x0 << 21) | (x3 >> 11)) * _INV_2_53)
             row.append(((x2 << 21) | (x1 >> 11)) * _INV_2_53)
         rows.append(row[offset : offset + length])
-    return torch.tensor(rows, dtype=torch.float64, device=device).view(len(rows), length)
+    return rows
 
 
 class _LaneConstants(NamedTuple):

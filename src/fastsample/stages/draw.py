@@ -208,12 +208,11 @@ def _greedy_everywhere(controls: v.Controls) -> bool:
     and the call is served as with a Python 0 (one blocked max pass, no weights). Elsewhere
     (CUDA, ``torch.compile``) such rows take the general path: no sync."""
     t = controls.temperature
-    return (
-        isinstance(t, Tensor)
-        and t.numel() > 0
-        and small_top_k.host_readable(t)
-        and bool((t == 0).all())
-    )
+    if not isinstance(t, Tensor) or t.numel() == 0 or not small_top_k.host_readable(t):
+        return False
+    if t.numel() <= 1024:  # the values themselves: fewer ops
+        return not any(t.tolist())
+    return bool((t == 0).all())
 
 
 def _all_greedy(
