@@ -342,20 +342,9 @@ def _scan(
     pair ``j`` is block ``blocks[j // need, j % need]``, column the entry's place in it.
     Blocks go in pieces of fewer than :data:`GRAIN` entries (no parallel region)."""
     batch, vocab = logits.shape
-    full = vocab // BLOCK
     pairs, cols, values = [], [], []
     if vocab % BLOCK == 0 and logits.is_contiguous():  # whole blocks: a (B * n, BLOCK) view
-        step = (GRAIN - 1) // BLOCK
-        firsts = torch.arange(0, batch * full, full, device=logits.device)
-        rows = blocks.add(firsts[:, None]).view(-1)
-        floors = floor[:, None].expand(batch, need).reshape(-1)
-        source = logits.view(batch * full, BLOCK)
-        for start in range(0, batch * need, step):
-            content = source.index_select(0, rows[start : start + step])
-            pair, col, value = _hits(content, floors[start : start + step])
-            pairs.append(pair.add_(start))
-            cols.append(col)
-            values.append(value)
+        return _scan_whole_blocks(logits, blocks, floor, need)
     else:  # a short last block or strided rows: per-entry gathers, whole rows per piece
         per_row = need * BLOCK
         rows_per = max(1, (GRAIN - 1) // per_row)
@@ -380,6 +369,45 @@ def _scan(
     if len(pairs) == 1:
         return pairs[0], cols[0], values[0]
     return torch.cat(pairs), torch.cat(cols), torch.cat(values)
+
+
+def _scan_whole_blocks(
+    logits: Tensor, blocks: Tensor, floor: Tensor, need: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_scan` for contiguous rows of whole blocks, in two sweeps: the maxima of the
+    candidate blocks' groups of 32 (a block copy and an ``amax`` per piece), then, over all
+    pieces at once, the groups reaching the floor and their entries (a few per candidate)."""
+    batch, vocab = logits.shape
+    full = vocab // BLOCK
+    per_block = BLOCK // _GROUP
+    pairs = batch * need
+    firsts = torch.arange(0, batch * full, full, device=logits.device)
+    rows = blocks.add(firsts[:, None]).view(-1)  # the candidate blocks as rows of the view
+    source = logits.view(batch * full, BLOCK)
+    maxima = torch.empty(pairs * per_block, dtype=logits.dtype, device=logits.device)
+    step = (GRAIN - 1) // BLOCK
+    for start in range(0, pairs, step):
+        content = source.index_select(0, rows[start : start + step])
+        piece = maxima[start * per_block : (start + step) * per_block]
+        torch.amax(content.view(-1, _GROUP), -1, out=piece)
+    floors = floor[:, None].expand(batch, need * per_block).reshape(-1)  # per group
+    groups = source.view(-1, _GROUP)
+    out_pairs, out_cols, out_values = [], [], []
+    for start in range(0, pairs * per_block, GRAIN - 1):
+        stop = start + GRAIN - 1
+        group = (maxima[start:stop] >= floors[start:stop]).nonzero().squeeze(1).add_(start)
+        for first in range(0, group.shape[0], step * per_block):  # picked entries < GRAIN
+            chosen = group[first : first + step * per_block]
+            pair = chosen // per_block
+            where = rows.gather(0, pair).mul_(per_block).add_(chosen % per_block)
+            picked = groups.index_select(0, where)
+            which, place = (picked >= floors.gather(0, chosen)[:, None]).nonzero(as_tuple=True)
+            out_values.append(picked.view(-1).gather(0, which * _GROUP + place))
+            out_pairs.append(pair.gather(0, which))
+            out_cols.append((chosen.gather(0, which) % per_block).mul_(_GROUP).add_(place))
+    if len(out_pairs) == 1:
+        return out_pairs[0], out_cols[0], out_values[0]
+    return torch.cat(out_pairs), torch.cat(out_cols), torch.cat(out_values)
 
 
 _GROUP = 32  # entries per group of the two-level scan
