@@ -193,8 +193,11 @@ def test_cpu_eager_path_draws_bitwise_what_the_general_path_draws(monkeypatch, b
     t_rows = torch.rand(batch, generator=gen) + 0.4
     k_rows = torch.randint(1, 80, (batch,), generator=gen)
     p_rows = torch.rand(batch, generator=gen) * 0.5 + 0.5
+    bad_min_p = torch.full((batch,), 0.05)
+    bad_min_p[0] = 1.5  # out of range: row 0 keeps nothing and is invalid, the others drawn
     mixes = [
         dict(temperature=t_rows, top_k=k_rows, top_p=p_rows),
+        dict(top_k=k_rows, min_p=bad_min_p, top_p=p_rows),
         dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, cut_order="vllm"),
         dict(temperature=t_rows, top_k=torch.full((batch,), 20), min_p=torch.full((batch,), 0.1)),
         dict(top_k=k_rows, top_p=0.95, min_p=0.01, cut_order="vllm"),

@@ -26,6 +26,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
+import torch
+
 from .cuts import CUT_FLOOR
 from .inverse_cdf import BLOCK
 from .validation import Controls
@@ -34,7 +36,7 @@ HOST_ROWS = 2
 """Rows up to which :mod:`.host_top_k` does the scalar work here (measured on the 2-core Xeon,
 T/k/p tensors at V = 128,256: 85 us saved at B=1, 50 at B=2, even at B=4, 0.15 ms lost at B=8)."""
 
-_CUT_FLOOR = CUT_FLOOR[__import__("torch").float32]
+_CUT_FLOOR = CUT_FLOOR[torch.float32]
 _PACK = struct.Struct("f")
 
 

@@ -226,12 +226,13 @@ def _few_rows_draw(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
     """One draw for a few rows with the block sums and the inverse CDF in Python floats
     (:mod:`.host_floats`): ``(token_ids, genuine, total, weights)`` as
-    :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` gives them, or None (a block holds
-    three or more kept weights: torch sums it) before any uniform is drawn."""
+    :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` gives them, or None before any
+    uniform is drawn (a block holds three or more kept weights: torch sums it; or a row keeps
+    nothing: an out-of-range tensor setting, flagged invalid by the tensor path)."""
     batch = kept.shape[0]
     device = kept.device
     rows = host_floats.block_values(kept.tolist(), ids.tolist())
-    if rows is None:
+    if rows is None or not all(rows):  # a crowded block, or nothing kept (a bad setting)
         return None
     # The float64 table of block sums, for its total: torch's sum over the row (its order).
     table = torch.zeros(batch * blocks, dtype=torch.float64, device=device)
@@ -381,8 +382,11 @@ def _scan_whole_blocks(
     full = vocab // BLOCK
     per_block = BLOCK // _GROUP
     pairs = batch * need
-    firsts = torch.arange(0, batch * full, full, device=logits.device)
-    rows = blocks.add(firsts[:, None]).view(-1)  # the candidate blocks as rows of the view
+    if batch == 1:  # the candidate blocks as rows of the view
+        rows = blocks.view(-1)
+    else:
+        rows = blocks.add(torch.arange(0, batch * full, full, device=logits.device)[:, None])
+        rows = rows.view(-1)
     source = logits.view(batch * full, BLOCK)
     maxima = torch.empty(pairs * per_block, dtype=logits.dtype, device=logits.device)
     step = (GRAIN - 1) // BLOCK
@@ -390,18 +394,23 @@ def _scan_whole_blocks(
         content = source.index_select(0, rows[start : start + step])
         piece = maxima[start * per_block : (start + step) * per_block]
         torch.amax(content.view(-1, _GROUP), -1, out=piece)
-    floors = floor[:, None].expand(batch, need * per_block).reshape(-1)  # per group
     groups = source.view(-1, _GROUP)
+    per_row = need * per_block  # group g belongs to row g // per_row
+    rows_per = max(1, (GRAIN - 1) // per_row)
     out_pairs, out_cols, out_values = [], [], []
-    for start in range(0, pairs * per_block, GRAIN - 1):
-        stop = start + GRAIN - 1
-        group = (maxima[start:stop] >= floors[start:stop]).nonzero().squeeze(1).add_(start)
+    for first_row in range(0, batch, rows_per):
+        piece = maxima[first_row * per_row : (first_row + rows_per) * per_row]
+        reached = piece.view(-1, per_row) >= floor[first_row : first_row + rows_per, None]
+        group = reached.view(-1).nonzero().squeeze(1)
+        if first_row:
+            group = group.add_(first_row * per_row)
         for first in range(0, group.shape[0], step * per_block):  # picked entries < GRAIN
             chosen = group[first : first + step * per_block]
             pair = chosen // per_block
             where = rows.gather(0, pair).mul_(per_block).add_(chosen % per_block)
             picked = groups.index_select(0, where)
-            which, place = (picked >= floors.gather(0, chosen)[:, None]).nonzero(as_tuple=True)
+            floor_of = floor.gather(0, chosen // per_row) if batch > 1 else floor
+            which, place = (picked >= floor_of[:, None]).nonzero(as_tuple=True)
             out_values.append(picked.view(-1).gather(0, which * _GROUP + place))
             out_pairs.append(pair.gather(0, which))
             out_cols.append((chosen.gather(0, which) % per_block).mul_(_GROUP).add_(place))
