@@ -22,9 +22,13 @@ call needs (about a hundred at B=1 instead of ~300; ``docs/cpu-primitive-costs.m
 4. the blocked inverse CDF (:func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw`), which
    returns the drawn tokens' kept weights as well, and the top-N from the candidates.
 
-Anything else (NaN or mostly masked rows, ties at the k-th weight beyond the candidates, a
-vocabulary of fewer blocks than ``need``) returns None before any uniform is drawn, and the
-caller takes :mod:`~fastsample.ops.small_top_k`'s general steps: same numbers, more ops.
+For one or two rows and one draw, steps 3-4's scalar work (the cuts, the block sums, the
+block and entry choices) is done in Python floats (:mod:`.host_floats`, the same numbers).
+
+Anything else (NaN or mostly masked rows, greedy rows of a tensor temperature, ties at the
+k-th weight beyond the candidates, a vocabulary of fewer blocks than ``need``) returns None
+before any uniform is drawn, and the caller takes :mod:`~fastsample.ops.small_top_k`'s general
+steps: same numbers, more ops.
 """
 
 from __future__ import annotations
