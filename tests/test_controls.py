@@ -23,7 +23,6 @@ import torch._dynamo.testing
 import fastsample as fs
 import fastsample.ops.cuts
 import fastsample.ops.select
-from fastsample.ops.threads import one_thread
 from reference import min_p_keeping, reference_probs, robust_min_p, robust_top_p, top_p_keeping
 from stattests import (
     LawCase,
@@ -33,6 +32,7 @@ from stattests import (
     parity_biased,
     shifted_law,
 )
+from torch_threads import one_thread
 
 KINDS = ("peaked", "flat", "ties", "masked", "equal", "single")
 CLAIM = 0.02  # the relative bias on 10% of the mass each frequency test detects (p < 1e-6)
@@ -209,7 +209,8 @@ def draw_counts(x: torch.Tensor, controls, draws, *, scalar: bool, is_logits=Tru
     of row ``r``, one seed per draw, in calls of up to ``CHUNK`` rows. Tensor controls: the
     configurations share each call, every row carrying its own values; Python scalars: one
     configuration per call. On one thread: chains of small ops over a few thousand rows
-    stall in torch's parallel regions on a busy machine (fastsample.ops.threads), 5-10x here."""
+    stall in torch's parallel regions on a busy machine (fastsample.ops.threads), 5-10x here;
+    the test sets the count, the library never does."""
     with one_thread(x.device):
         return _draw_counts(x, controls, draws, scalar, is_logits, step)
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import fastsample as fs
-from fastsample.ops.threads import one_thread
 from stattests import (
     LawCase,
     assert_law,
@@ -30,6 +29,7 @@ from stattests import (
     poisson_bounds,
     poisson_power,
 )
+from torch_threads import one_thread
 
 METHODS = ["inverse_cdf", "race"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -37,10 +37,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the single-draw
 
 
 def serial():
-    """The draw loops run on one CPU thread (as the library runs its chains of small ops,
-    fastsample.ops.threads): 2-thread parallel regions over these calls' small tensors
-    stall on a shared machine (measured 5-40x slower per draw at V=1,000). Draws do not
-    depend on the thread count."""
+    """The draw loops run on one CPU thread: 2-thread parallel regions over these calls'
+    tensors (thousands of rows) stall on a shared machine (measured 5-40x slower per draw at
+    V=1,000; fastsample.ops.threads). Draws do not depend on the thread count."""
     return one_thread(torch.device("cpu"))
 
 

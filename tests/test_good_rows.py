@@ -260,8 +260,8 @@ def test_negative_control_samplers(monkeypatch):
     fail for sample_from_probs, fast_sample and sample."""
     real = sampling_module.finish
 
-    def broken_finish(weights, token_ids, genuine, total, clean, read=None):
-        out = real(weights, token_ids, genuine, total, clean, read)
+    def broken_finish(weights, token_ids, genuine, total, clean, *rest):
+        out = real(weights, token_ids, genuine, total, clean, *rest)
         return out._replace(token_ids=shift_when_any_bad(out.token_ids, clean, V))
 
     monkeypatch.setattr(sampling_module, "finish", broken_finish)  # sample_from_probs

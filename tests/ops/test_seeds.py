@@ -68,6 +68,37 @@ def test_uniforms_match_the_documented_mapping():
             assert got[b].tolist() == want
 
 
+def test_host_uniforms_are_the_tensor_layouts_bits(monkeypatch):
+    """A few rows on CPU take Philox in Python (fastsample.ops.seeds.HOST_MAX_BLOCKS): the same
+    float64 uniforms, bit for bit, as the packed tensor layout and the per-word one, for
+    negative and 64-bit seeds and steps, tensor and int streams, any start and length."""
+    from fastsample.ops import seeds
+
+    gen = torch.Generator().manual_seed(5)
+    for batch in (1, 2, 5):
+        seed = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+        step = torch.randint(-(2**40), 2**40, (batch,), generator=gen)
+        tensor_stream = torch.randint(0, 2**24, (batch,), generator=gen)
+        draw, entry = Purpose.DRAW, Purpose.ENTRY
+        spans = ((draw, 0, 1), (draw, 1, 2), (entry, 3, 5), (draw, 0, 3))
+        for stream in (tensor_stream, 7, int(Stream.BONUS)):
+            for purpose, start, length in spans:
+                monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 10**6)
+                host = CounterSource(seed, step, stream).uniforms(purpose, start, length)
+                monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 0)
+                packed = CounterSource(seed, step, stream).uniforms(purpose, start, length)
+                monkeypatch.setattr(CounterSource, "FEW_BLOCKS", 0)
+                per_word = CounterSource(seed, step, stream).uniforms(purpose, start, length)
+                monkeypatch.undo()
+                assert torch.equal(host, packed) and torch.equal(host, per_word)
+    # Python-int seed and step (built into rows only when read by the tensor layouts).
+    monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 10**6)
+    host = CounterSource(-3, 2**40 + 1, 0, rows=(3, torch.device("cpu"))).row_uniforms(2)
+    monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 0)
+    packed = CounterSource(-3, 2**40 + 1, 0, rows=(3, torch.device("cpu"))).row_uniforms(2)
+    assert torch.equal(host, packed)
+
+
 def test_entry_uniforms_are_keyed_by_global_index():
     """A vocabulary shard reproduces its slice of the full row's noise, at any offset."""
     src = source([3, 4], [10, 11])

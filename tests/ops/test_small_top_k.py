@@ -10,6 +10,7 @@ ties ignored.
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch._dynamo
 
 import fastsample as fs
-from fastsample.ops import select, small_top_k
+from fastsample.ops import host_top_k, select, small_top_k
 from fastsample.ops.validation import check_controls
 from reference import reference_probs, robust_top_p
 from stattests import LawCase, law_rejected
@@ -94,29 +95,46 @@ def test_draws_are_bitwise_those_of_the_general_path(monkeypatch, vocab, dtype, 
 )
 def test_host_shortcuts_draw_bitwise_what_the_general_path_draws(monkeypatch, vocab, dtype):
     """CPU eager, continuous rows: the candidates come from the entries reaching the floor
-    (select._entries_reaching) and the block sums from the candidates alone
-    (_candidate_block_sums: no counting pass, tiles for blocks holding 3+ kept weights, the
-    short last block summed over its own entries). Both are invisible: every output is the
-    general path's, bit for bit, with Python and per-row tensor controls."""
-    seen = {"reaching": 0, "alone": 0, "crowded": 0, "crowded last": 0}
+    (fastsample.ops.host_top_k, or select._entries_reaching where the vocabulary has fewer
+    blocks than candidates) and the block sums from the candidates alone (no counting pass,
+    tiles for blocks holding 3+ kept weights, the short last block summed over its own
+    entries). All invisible: every output is the general path's, bit for bit, with Python and
+    per-row tensor controls."""
+    seen = {"reaching": 0, "alone": 0, "crowded": 0, "crowded last": 0, "host": 0}
     reaching, block_sums = select._entries_reaching, small_top_k._candidate_block_sums
+    host_draw, host_sums = host_top_k.draw, host_top_k._block_sums
 
     def spy_reaching(*args):
         found = reaching(*args)
         seen["reaching"] += found is not None
         return found
 
-    def spy_block_sums(found, kept, blocks, width):
-        seen["alone"] += 1
-        block_ids = found.blocks.gather(1, found.positions[:, : kept.shape[1]] // 256)
+    def spy_crowded(block_ids, kept, blocks, width):
         present = torch.zeros(kept.shape[0], blocks).scatter_add_(1, block_ids, (kept > 0).float())
         crowded = present >= 3
         seen["crowded"] += int(crowded.sum())
         seen["crowded last"] += int(crowded[:, -1].sum()) if width % 256 else 0
+
+    def spy_block_sums(found, kept, blocks, width):
+        seen["alone"] += 1
+        spy_crowded(found.blocks.gather(1, found.positions[:, : kept.shape[1]] // 256), kept,
+                    blocks, width)  # fmt: skip
         return block_sums(found, kept, blocks, width)
+
+    def spy_host_sums(kept, ids, blocks, width):
+        spy_crowded(ids // 256, kept, blocks, width)
+        return host_sums(kept, ids, blocks, width)
+
+    def spy_host_draw(*args):
+        got = host_draw(*args)
+        seen["host"] += got is not None
+        seen["alone"] += got is not None
+        return got
 
     monkeypatch.setattr(select, "_entries_reaching", spy_reaching)
     monkeypatch.setattr(small_top_k, "_candidate_block_sums", spy_block_sums)
+    monkeypatch.setattr(host_top_k, "draw", spy_host_draw)
+    monkeypatch.setattr(host_top_k, "_block_sums", spy_host_sums)
     gen = torch.Generator().manual_seed(vocab)
     scales = torch.tensor([3.0, 1.0, 0.3, 10.0] * 3)[:, None]
     x = torch.randn(12, vocab, generator=gen) * scales
@@ -140,10 +158,68 @@ def test_host_shortcuts_draw_bitwise_what_the_general_path_draws(monkeypatch, vo
     assert seen["crowded"] > 0
     # Two blocks (V=300) hold too many entries above the floor; bfloat16 at V=2999 has its
     # spare candidates, more than its 12 blocks: the fixed-shape selection serves those.
-    if vocab > 300 and dtype != "bfloat16":
-        assert seen["reaching"] > 0
+    if vocab >= 4096 or (vocab > 300 and dtype != "bfloat16"):
+        assert seen["reaching"] + seen["host"] > 0
     if vocab % 256 and vocab < 4096:  # a short last block among few blocks
         assert seen["crowded last"] > 0
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_cpu_eager_path_draws_bitwise_what_the_general_path_draws(monkeypatch, batch):
+    """The CPU eager path (fastsample.ops.host_top_k: candidates from the blocks scanned in
+    pieces under the parallel grain, one host read, the block sums from the candidates, the
+    drawn weights and the top-N from the draw) at engine batch sizes: every output equals the
+    general path's, seeded and from a generator, one and two draws, with and without top-N,
+    per-row and Python controls in both cut orders, float32 and bfloat16, a vocabulary with a
+    short last block, rows that are a strided view and a NaN row (in a block whose maximum
+    topk need not pick). The path serves most of these calls."""
+    served = {"host": 0, "calls": 0}
+    host_draw = host_top_k.draw
+
+    def spy(*args):
+        got = host_draw(*args)
+        served["host"] += got is not None
+        return got
+
+    monkeypatch.setattr(host_top_k, "draw", spy)
+    gen = torch.Generator().manual_seed(batch)
+    wide = torch.randn(batch, 50_100, generator=gen) * 3
+    cases = {
+        "float32": wide[:, :50_000].contiguous(),  # a short last block (50,000 = 195 x 256 + 80)
+        "strided": wide[:, 100:].contiguous()[:, :49_920],  # rows a stride apart, whole blocks
+        "bfloat16": wide[:, :49_920].bfloat16(),
+        "nan": wide[:, :49_920].clone().index_fill_(1, torch.tensor([31_337]), math.nan),
+    }
+    t_rows = torch.rand(batch, generator=gen) + 0.4
+    k_rows = torch.randint(1, 80, (batch,), generator=gen)
+    p_rows = torch.rand(batch, generator=gen) * 0.5 + 0.5
+    bad_min_p = torch.full((batch,), 0.05)
+    bad_min_p[0] = 1.5  # out of range: row 0 keeps nothing and is invalid, the others drawn
+    mixes = [
+        dict(temperature=t_rows, top_k=k_rows, top_p=p_rows),
+        dict(top_k=k_rows, min_p=bad_min_p, top_p=p_rows),
+        dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, cut_order="vllm"),
+        dict(temperature=t_rows, top_k=torch.full((batch,), 20), min_p=torch.full((batch,), 0.1)),
+        dict(top_k=k_rows, top_p=0.95, min_p=0.01, cut_order="vllm"),
+        dict(temperature=1.3, top_k=7),
+    ]
+    for (name, x), controls, n, top, seeded in itertools.product(
+        cases.items(), mixes, (1, 2), (0, 5), (True, False)
+    ):
+        kwargs = dict(controls, num_samples=n, top_logprobs=top)
+        if seeded:
+            kwargs |= dict(seed=torch.arange(batch) * 31 + 7, step=torch.full((batch,), 3))
+        with monkeypatch.context() as patch:
+            patch.setattr(small_top_k, "applies", lambda *args: False)
+            torch.manual_seed(11)
+            general = fs.sample(x, **kwargs)
+        torch.manual_seed(11)
+        fast = fs.sample(x, **kwargs)
+        served["calls"] += name != "nan"  # a NaN row sends its batch to the general steps
+        for field in fast._fields:
+            a, b = getattr(fast, field), getattr(general, field)
+            assert (a is None and b is None) or torch.equal(a, b), (name, field, kwargs)
+    assert served["host"] >= 0.9 * served["calls"], served
 
 
 def test_applies_only_to_what_it_reproduces():

@@ -255,8 +255,11 @@ def test_short_rows_cost_memory_and_ops_linear_in_the_input():
         return x, lambda: fs.sample(x, **controls, seed=torch.arange(batch))
 
     counts = []
-    for batch in (500, 4000):
+    # Both batches above the 1,024 rows where the all-greedy check of a CPU temperature
+    # tensor switches from reading its values to three ops (stages/draw.py).
+    for batch in (2000, 16000):
         _, fn = call(batch)
+        fn()  # per-device constants are made by the first call
         with _OpCounter() as counter:
             fn()
         counts.append(counter.count)
@@ -265,30 +268,3 @@ def test_short_rows_cost_memory_and_ops_linear_in_the_input():
     fn()
     extra = _cpu_extra_bytes(fn)
     assert extra <= 40 * x.numel() * x.element_size(), extra / (x.numel() * x.element_size())
-
-
-def test_small_op_chains_run_on_one_thread_and_restore_the_count(monkeypatch):
-    from fastsample.ops import threads
-
-    before = torch.get_num_threads()
-    seen = []
-    original = small_top_k._draw_from_maxima
-
-    def spy(*args):
-        seen.append(torch.get_num_threads())
-        return original(*args)
-
-    monkeypatch.setattr(small_top_k, "_draw_from_maxima", spy)
-    x = torch.randn(3, 1000)
-    fs.sample(x, top_k=torch.tensor([5, 6, 7]))
-    assert seen == [1] and torch.get_num_threads() == before
-    with threads.one_thread(torch.device("cpu")):
-        with threads.one_thread(torch.device("cpu")):  # nested blocks share one saved count
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
-    with threads.one_thread(torch.device("meta")):  # off CPU: nothing changes
-        assert torch.get_num_threads() == before
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with threads.one_thread(torch.device("cpu")):  # a graph being traced: nothing changes
-        assert torch.get_num_threads() == before

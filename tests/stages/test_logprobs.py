@@ -100,7 +100,8 @@ def test_greedy_rows_rank_their_draws_in_order():
 
 
 def test_raw_logprobs_never_build_a_full_log_softmax(monkeypatch):
-    """The raw mode's normalizer is one pass: no log_softmax, no (B, V) float64 tensor."""
+    """The raw mode's normalizer builds no log_softmax and no (B, V) float64 tensor (its
+    softmax goes to a float32 scratch buffer kept between calls, fastsample.ops.scratch)."""
     calls = []
     real = torch.Tensor.to
 
@@ -116,3 +117,46 @@ def test_raw_logprobs_never_build_a_full_log_softmax(monkeypatch):
                            token_ranks=True, seed=1)  # fmt: skip
     fs.sample_step(torch.randn(4, 5000), params=params, step=0)
     assert calls == []
+
+
+def test_ranks_from_the_reaching_blocks_equal_the_compare_pass():
+    """CPU eager ranks read only the blocks whose maximum reaches the drawn score: the counts
+    equal a compare pass over the row, with ties (integer rows), masked and NaN rows, a short
+    last block, values far down a row (too many blocks: the compare pass) and at the top."""
+    from fastsample.ops.select import block_maxima
+    from fastsample.stages.logprobs import count_at_least
+
+    gen = torch.Generator().manual_seed(9)
+    for vocab in (5000, 5120, 40_000):
+        x = torch.randn(6, vocab, generator=gen) * 3
+        x[1] = torch.randint(-3, 4, (vocab,), generator=gen).float()  # ties everywhere
+        x[2, ::2] = -math.inf
+        x[3, 7] = math.nan
+        ids = torch.stack([torch.randint(0, vocab, (6,), generator=gen), x.argmax(-1),
+                           x.topk(20, -1).indices[:, -1]], 1)  # fmt: skip
+        values = x.gather(1, ids)
+        want = torch.stack([(x >= values[:, j : j + 1]).sum(-1) for j in range(3)], 1)
+        got = count_at_least(x, values, block_maxima(x))
+        assert torch.equal(got, want)
+        clean = x[[0, 2, 4, 5]]
+        top = clean.gather(1, clean.topk(3, -1).indices)
+        want = torch.stack([(clean >= top[:, j : j + 1]).sum(-1) for j in range(3)], 1)
+        assert torch.equal(count_at_least(clean, top, block_maxima(clean)), want)
+
+
+@pytest.mark.parametrize("serial", ["0", "1"])
+def test_raw_normalizer_is_the_float64_logsumexp(monkeypatch, serial):
+    """The raw mode's normalizer (the row maximum, the softmax at it and its mass) is the
+    float64 logsumexp within 2e-7 on vocabulary-sized rows, and the same bits one row at a
+    time in pieces (the small-batch, serial way) as for the batch in one op."""
+    from fastsample.stages.logprobs import raw_normalizer
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 128_256, generator=gen) * torch.tensor([3.0, 0.1, 10.0, 1.0, 30.0])[:, None]
+    x[3, 1000:] = -math.inf  # a masked row
+    monkeypatch.setenv("FASTSAMPLE_CPU_SERIAL", serial)
+    got = raw_normalizer(x, True).log_total
+    want = torch.logsumexp(x.double(), -1)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-7)
+    monkeypatch.setenv("FASTSAMPLE_CPU_SERIAL", "1" if serial == "0" else "0")
+    assert torch.equal(raw_normalizer(x, True).log_total, got)

@@ -94,6 +94,34 @@ def test_dense_and_sparse_penalties_agree_bitwise(monkeypatch):
     assert torch.equal(got[1], got[10**9])
 
 
+def test_sparse_penalties_in_row_pieces_agree_with_dense(monkeypatch):
+    """Long rows, many seen tokens per row (several bits in some words), rows in several
+    pieces under the parallel grain, per-row tensor penalties, a vocabulary that is not a
+    multiple of 32, verification's rows map and drafts: the sparse path equals the dense."""
+    gen = torch.Generator().manual_seed(4)
+    batch, vocab = 40, 40_003
+    prompts = torch.randint(0, vocab, (batch, 300), generator=gen)
+    prompts[:, :40] = torch.randint(0, 64, (batch, 40), generator=gen)  # crowded words
+    prompts[3, 0] = vocab - 1
+    outputs = torch.randint(0, vocab, (batch, 100), generator=gen)
+    outputs[:, :10] = outputs[:, 10:20]  # repeated output tokens: counts above 1
+    stats = fs.TokenStats.from_prompts(prompts, vocab, outputs=outputs)
+    x = torch.randn(batch, vocab, generator=gen) * 3
+    rep = torch.rand(batch, generator=gen) + 0.5
+    freq, pres = torch.randn(batch, generator=gen), 0.25
+    rows, extra = torch.tensor([0, 0, 3, 39, 7]), torch.randint(-1, vocab, (5, 3), generator=gen)
+    got = {}
+    for limit in (1, 10**9):
+        monkeypatch.setattr(penalties, "SPARSE_FROM", limit)
+        got[limit] = (
+            penalties.apply_(x.clone(), stats, rep, freq, pres),
+            penalties.apply_(x[rows].clone(), stats, rep[rows], freq[rows], pres, rows, extra),
+        )
+    for sparse, dense in zip(got[1], got[10**9], strict=True):
+        assert torch.equal(sparse, dense)
+    assert not torch.equal(got[1][0], x)
+
+
 def _take(value, rows):
     return value[rows] if isinstance(value, torch.Tensor) else value
 

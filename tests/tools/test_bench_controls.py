@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from fastsample.__main__ import main
-from fastsample.ops.threads import one_thread
 from fastsample.tools.bench import controls as bench_controls
 from reference import reference_probs
 from stattests import LawCase, assert_law
+from torch_threads import one_thread
 
 
 def test_controls_bench_runs_every_setting(tmp_path, capsys):
@@ -43,6 +43,32 @@ def test_controls_bench_runs_every_setting(tmp_path, capsys):
         if r["contender"].startswith("fs"):
             assert r["speedup_vs_hf"] > 0 and r["read_passes"] > 0
     assert "vs hf" in capsys.readouterr().out
+    step = bench_controls.STEP_SETTING
+    step_rows = {r["contender"] for r in doc["results"] if r["setting"] == step}
+    assert {"fs.step", "fs.step+pen+lp", "fs.step+pen+lp.raw"} <= step_rows
+
+
+def test_fresh_logits_cycle_through_the_pool():
+    """``--fresh N``: every contender's calls take the pool's tensors in turn."""
+    pool = [torch.randn(2, 700) for _ in range(3)]
+    calls = bench_controls.setting_calls(bench_controls.STEP_SETTING, pool[0], False, pool=pool)
+    seen = []
+    real = torch.Tensor.sum
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.data_ptr())
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.sum = spy  # the read pass's call
+    try:
+        for _ in range(4):
+            calls["read_pass"]()
+    finally:
+        torch.Tensor.sum = real
+    assert seen == [t.data_ptr() for t in (*pool, pool[0])]
+    for name in ("fs.step", "fs.step+pen+lp", "fs.step+pen+lp.raw"):
+        out = calls[name]()
+        assert out.token_ids.shape == (2, 1) and bool(out.valid.all())
 
 
 # The contenders' laws are judged as sanity checks: a contender drawing a slightly wrong law

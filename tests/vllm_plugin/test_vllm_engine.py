@@ -24,7 +24,6 @@ import torch
 from vllm import SamplingParams
 from vllm_helpers import VOCAB, close, engine, generated, tiny_llama, tokens_prompt
 
-import fastsample as fs
 from fastsample.vllm import CALLS, STATE, vllm_sampling
 from fastsample.vllm.state import reset_calls
 
@@ -131,32 +130,12 @@ class _Records(logging.Handler):
             self.records.append(record)
 
 
-def _library_touches_the_thread_count() -> bool:
-    """Whether a small-top-k sample calls ``torch.set_num_threads`` (ops/threads.py before
-    issue 27's thread change landed)."""
-    calls = []
-    real = torch.set_num_threads
-    threads = torch.get_num_threads()
-    torch._C.set_num_threads(2)
-    torch.set_num_threads = lambda n: calls.append(n)
-    try:
-        fs.sample(torch.randn(2, 5000), temperature=0.7, top_k=20, seed=1)
-    finally:
-        torch.set_num_threads = real
-        torch._C.set_num_threads(threads)
-    return bool(calls)
-
-
-def test_no_warning_is_logged_per_sampler_call(llm, request, monkeypatch):
+def test_no_warning_is_logged_per_sampler_call(llm, monkeypatch):
     """vLLM replaced ``torch.set_num_threads`` with a stub that logs a warning; with torch on
     two threads (as it runs without OMP_NUM_THREADS), 24 sampler steps log nothing (vLLM's
     loggers and ours captured while each call runs)."""
     from fastsample.vllm.sampler import FastsampleSampler
 
-    if _library_touches_the_thread_count():
-        reason = ("fastsample.ops.threads still sets the thread count per call; the library "
-                  "change of issue 27 (no process-wide state) has not landed here")
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
     handler = _Records()
     forward = FastsampleSampler.forward
 

@@ -38,7 +38,7 @@ def top_p_cut(weights: Tensor, top_p: float | Tensor, mass: Tensor | None) -> Te
 
 
 def top_p_cut_from_candidates(
-    candidates: Tensor, cut_k: Tensor, top_p: float | Tensor, ties: Tensor
+    candidates: Tensor, cut_k: Tensor, top_p: float | Tensor, ties: Tensor, on: bool = False
 ) -> Tensor:
     """Top-p threshold after a top-k cut taken from candidates.
 
@@ -49,7 +49,8 @@ def top_p_cut_from_candidates(
     itself if none does (the boundary ties, wherever they are, complete it). Masses are
     running float64 sums from the top (a sequential ``cumsum``), so the numbers do not depend
     on how many candidates follow the row's own ``k``. A tensor ``top_p`` of 1 or more (off,
-    or invalid) gives 0, like :func:`top_p_cut`.
+    or invalid) gives 0, like :func:`top_p_cut`; ``on=True`` says no row's is (read on the
+    host), which skips that mask.
     """
     above = torch.where(candidates > cut_k[:, None], candidates, 0.0).to(torch.float64)
     running = above.cumsum(-1)
@@ -59,7 +60,7 @@ def top_p_cut_from_candidates(
     first = reached.to(torch.uint8).argmax(-1, keepdim=True)
     cut = candidates.gather(1, first).squeeze(1)
     cut = torch.where(reached.any(-1), cut, cut_k)
-    return torch.where(top_p < 1, cut, 0.0) if isinstance(top_p, Tensor) else cut
+    return torch.where(top_p < 1, cut, 0.0) if isinstance(top_p, Tensor) and not on else cut
 
 
 # Cuts are applied by dividing each row by its cut and zeroing what falls below 1, one scalar

@@ -150,3 +150,27 @@ def philox4x32_pairs(
         # New (c3, c1) = (lo(M0 c0), lo(M1 c2)): the low words, already in (c3, c1) order.
         xored = product
     return multiplied, xored & mask32
+
+
+def philox4x32_host(
+    c0: int, c1: int, c2: int, c3: int, k0: int, k1: int, rounds: int = 10,
+    M0: int = PHILOX_M0, M1: int = PHILOX_M1, W0: int = PHILOX_W0, W1: int = PHILOX_W1,
+    MASK: int = _MASK32,
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """:func:`philox4x32` on Python ints, for a few blocks whose words are on the host (the
+    same contract: words in ``[0, 2**32)``, ``c1``, ``c3`` and the key may carry garbage
+    above bit 31). Exact: Python ints do not wrap. The constants are bound as defaults
+    (fast local names): ~3.5 us a block."""
+    c0 &= MASK
+    c1 &= MASK
+    c2 &= MASK
+    c3 &= MASK
+    k0 &= MASK
+    k1 &= MASK
+    for _ in range(rounds):
+        p0 = c0 * M0
+        p1 = c2 * M1
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & MASK, (p0 >> 32) ^ c3 ^ k1, p0 & MASK
+        k0 = (k0 + W0) & MASK
+        k1 = (k1 + W1) & MASK
+    return c0, c1, c2, c3

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .noise import GeneratorSource
-from .philox import philox4x32, philox4x32_pairs
+from .philox import philox4x32, philox4x32_host, philox4x32_pairs
 
 _MASK32 = 0xFFFFFFFF
 _STREAM_LIMIT = 1 << 24
@@ -137,6 +137,9 @@ class CounterSource:
     def uniforms(self, purpose: Purpose, start: int, length: int) -> Tensor:
         """``(B, length)`` float64 uniforms for positions ``start .. start + length - 1``."""
         first, last = start // 2, (start + length - 1) // 2
+        on_host = self._host_words(last - first + 1)
+        if on_host is not None:  # a few rows on CPU, eager: Philox in Python, one tensor op
+            return _host_uniforms(*on_host, int(purpose), start, length)
         if last - first + 1 <= self.FEW_BLOCKS:
             with _small_op_mode():
                 bits = self._few_block_bits(purpose, first, last)
@@ -146,6 +149,29 @@ class CounterSource:
         flat = bits.to(torch.float64).mul_(_INV_2_53).flatten(1)
         offset = start - 2 * first
         return flat.narrow(1, offset, length)
+
+    def _host_words(self, blocks: int) -> tuple[list, list, list, torch.device] | None:
+        """``(seeds, steps, streams, device)`` as Python lists where computing the uniforms
+        on the host is cheaper than the ~70 small tensor ops of the packed layout: CPU
+        values in eager mode, at most :data:`HOST_MAX_BLOCKS` Philox blocks in all (the
+        host reads are free there, and ten Philox rounds in Python cost ~3 us a block)."""
+        if self._rows is not None:
+            batch, device = self._rows
+        else:
+            batch, device = self.seed.shape[0], self.seed.device
+        if batch * blocks > HOST_MAX_BLOCKS or device.type != "cpu":
+            return None
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return None
+        values = []
+        for value in (self._seed, self._step, self.stream):
+            if isinstance(value, Tensor):
+                if value.device.type != "cpu":
+                    return None
+                values.append(value.tolist())
+            else:
+                values.append([value] * batch)
+        return values[0], values[1], values[2], device
 
     def _few_block_bits(self, purpose: Purpose, first: int, last: int) -> Tensor:
         """``(B, blocks, 2)`` 53-bit integers, packed layout: overhead-bound, so few ops."""
@@ -191,8 +217,53 @@ class CounterSource:
     def row_uniforms(self, num: int) -> Tensor:
         return self.uniforms(Purpose.DRAW, 0, num)
 
+    def host_row_uniforms(self, num: int) -> list[list[float]]:
+        """:meth:`row_uniforms` as Python floats, computed on the host where that is free
+        (a few rows on CPU, eager), else read from the tensor."""
+        on_host = self._host_words((num + 1) // 2)
+        if on_host is not None:
+            seeds, steps, streams, _ = on_host
+            return _host_values(seeds, steps, streams, int(Purpose.DRAW), 0, num)
+        return self.row_uniforms(num).tolist()
+
     def entry_uniforms(self, start: int, length: int) -> Tensor:
         return self.uniforms(Purpose.ENTRY, start, length)
+
+
+HOST_MAX_BLOCKS = 16
+"""Philox blocks (rows x blocks per row) up to which :class:`CounterSource` computes the
+uniforms in Python on CPU: ~5 us a block with the host reads, against ~80-95 us for the
+~70-op tensor layout whatever the rows (2-core Xeon, torch 2.13; crossover ~16 blocks)."""
+
+
+def _host_uniforms(
+    seeds: list[int], steps: list[int], streams: list[int], device: torch.device,
+    purpose: int, start: int, length: int,
+) -> Tensor:  # fmt: skip
+    """:meth:`CounterSource.uniforms` computed with Python ints: the same Philox-4x32-10
+    words, the same 53-bit integers, exactly the same float64 uniforms."""
+    rows = _host_values(seeds, steps, streams, purpose, start, length)
+    return torch.tensor(rows, dtype=torch.float64, device=device).view(len(rows), length)
+
+
+def _host_values(
+    seeds: list[int], steps: list[int], streams: list[int], purpose: int, start: int, length: int
+) -> list[list[float]]:
+    """The uniforms of :func:`_host_uniforms` as Python floats, row by row."""
+    first, last = start // 2, (start + length - 1) // 2
+    offset = start - 2 * first
+    rows = []
+    for seed, step, stream in zip(seeds, steps, streams, strict=True):
+        word = (stream & (_STREAM_LIMIT - 1)) | purpose << 24
+        row = []
+        for block in range(first, last + 1):
+            x0, x1, x2, x3 = philox4x32_host(
+                block, word, step & _MASK32, step >> 32, seed, seed >> 32
+            )
+            row.append(((x0 << 21) | (x3 >> 11)) * _INV_2_53)
+            row.append(((x2 << 21) | (x1 >> 11)) * _INV_2_53)
+        rows.append(row[offset : offset + length])
+    return rows
 
 
 class _LaneConstants(NamedTuple):

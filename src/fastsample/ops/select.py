@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import threads
 from .inverse_cdf import BLOCK
 from .pieces import piece_rows
 
@@ -321,7 +322,12 @@ def block_maxima(values: Tensor) -> Tensor:
     """``(B, ceil(V / BLOCK))`` maxima of consecutive blocks (NaN propagates)."""
     batch, vocab = values.shape
     full = vocab // BLOCK
-    parts = [values[:, : full * BLOCK].reshape(batch, full, BLOCK).amax(-1)]
+    whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
+    if threads.serial_passes(values.device, batch * full * BLOCK):
+        out = torch.empty(batch, full, dtype=values.dtype, device=values.device)
+        parts = [threads.blockwise_(values, out, BLOCK, "amax")]
+    else:  # one op: a parallel region over a long input (fastsample.ops.threads)
+        parts = [whole.amax(-1)]
     if vocab % BLOCK:
         parts.append(values[:, full * BLOCK :].amax(-1, keepdim=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -368,10 +374,20 @@ def top_entries(values: Tensor, num: int, maxima: Tensor | None = None) -> tuple
         return ranked.values[:, :num], ids
     block_ids = torch.arange(maxima.shape[1], device=values.device).expand_as(maxima)
     blocks = block_ids.gather(1, _largest_first(maxima, block_ids, count))
-    candidates, columns = _gather_blocks(values, blocks)
-    best = _largest_first(candidates, columns, num)
-    ids = columns.gather(1, best).clamp_max_(values.shape[1] - 1)
-    return candidates.gather(1, best), ids
+    batch = values.shape[0]
+    # CPU: rows in pieces whose int64 keys stay under torch's parallel grain (one piece on
+    # other devices); every row's result is the same whatever rows share its piece.
+    rows = batch if values.device.type != "cpu" else threads.grain_rows(batch, 2 * count * BLOCK)
+    found, ids = [], []
+    for start in range(0, max(batch, 1), max(rows, 1)):  # an empty batch: one empty piece
+        piece = slice(start, start + rows)
+        candidates, columns = _gather_blocks(values[piece], blocks[piece])
+        best = _largest_first(candidates, columns, num)
+        ids.append(columns.gather(1, best).clamp_max_(values.shape[1] - 1))
+        found.append(candidates.gather(1, best))
+    if len(found) == 1:
+        return found[0], ids[0]
+    return torch.cat(found), torch.cat(ids)
 
 
 def _largest_first(values: Tensor, index: Tensor, num: int) -> Tensor:
@@ -401,21 +417,24 @@ def first_argmax(values: Tensor, maxima: Tensor | None = None) -> Tensor:
     """
     if maxima is None:
         maxima = block_maxima(values)
-    # torch.max returns the first maximal index (documented): the first block holding the
-    # row maximum. On small CPU rows max() is ~4x faster than argmax() or an equality mask.
-    return first_in_block(values, maxima.max(-1, keepdim=True).indices)
+    # argmax returns the first maximal index (documented): the first block holding the row
+    # maximum. (max() with indices opens a CPU parallel region from a few thousand entries,
+    # fastsample.ops.threads; argmax does not, and is as fast on these small rows.)
+    return first_in_block(values, maxima.argmax(-1, keepdim=True))
 
 
 def first_in_block(values: Tensor, block: Tensor) -> Tensor:
     """``(B,)`` index of the first maximal entry of block ``block[b]`` (``(B, 1)``) per row."""
     batch, vocab = values.shape
-    if vocab % BLOCK == 0 and values.is_contiguous():  # index the (B, blocks, BLOCK) view
+    if vocab % BLOCK == 0 and values.is_contiguous():  # rows of the (B * blocks, BLOCK) view
         block = block.squeeze(1)
-        rows = torch.arange(batch, device=values.device)
-        chosen = values.view(batch, vocab // BLOCK, BLOCK)[rows, block]
-        return (block * BLOCK).add_(chosen.max(-1).indices)
+        blocks = vocab // BLOCK
+        rows = torch.arange(0, batch * blocks, blocks, device=values.device).add_(block)
+        # index_select, not advanced indexing (a parallel region from 3,000 entries on CPU)
+        chosen = values.view(batch * blocks, BLOCK).index_select(0, rows)
+        return (block * BLOCK).add_(chosen.argmax(-1))
     candidates, columns = _gather_blocks(values, block)
-    inner = candidates.max(-1, keepdim=True).indices
+    inner = candidates.argmax(-1, keepdim=True)
     ids = columns.gather(1, inner).squeeze(1)
     # Past-the-end columns of a short last block read -inf, so only a NaN row can land there.
     return ids if vocab % BLOCK == 0 else ids.clamp_max_(vocab - 1)

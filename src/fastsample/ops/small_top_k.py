@@ -62,6 +62,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import host_top_k
 from .cuts import BELOW_ONE, CUT_FLOOR, as_rows, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw
 from .noise import UniformSource
@@ -75,7 +76,6 @@ from .select import (
     first_argmax,
     order_key,
 )
-from .threads import one_thread, pass_threads
 from .validation import Controls
 from .weights import controls_in_range, logit_weights_divided_, temperature_divisor
 
@@ -118,6 +118,9 @@ class Drawn(NamedTuple):
     maxima: Tensor  # (B, blocks) block maxima of the logits (for top_logprobs)
     greedy: Tensor | None = None  # (B,) bool rows with a tensor temperature of 0, or None
     greedy_ids: Tensor | None = None  # (B,) their first maximal index, or None
+    weights: Tensor | None = None  # (B, n) float64 kept weights of the drawn ids, or None
+    top_ids: Tensor | None = None  # (B, N) the N largest, ties by the lower index, or None
+    top_weights: Tensor | None = None  # (B, N) float64 their kept weights
 
 
 def host_readable(value: Tensor) -> bool:
@@ -144,7 +147,10 @@ def candidate_count(controls: Controls, vocab: int) -> int | None:
     if not isinstance(k, Tensor) or k.numel() == 0 or not host_readable(k):
         return None
     # One host read: the largest k, with top-k off (0) counted as V so that it disqualifies.
-    largest = max(int(torch.where(k == 0, vocab, k).max()), 1)
+    if k.numel() <= 1024:  # the values themselves: fewer ops
+        largest = max(max(vocab if v == 0 else v for v in k.tolist()), 1)
+    else:
+        largest = max(int(torch.where(k == 0, vocab, k).max()), 1)
     return largest if largest < vocab and largest <= CANDIDATE_MAX_K else None
 
 
@@ -162,20 +168,30 @@ def applies(logits: Tensor | None, controls: Controls) -> bool:
     )
 
 
-def draw(logits: Tensor, controls: Controls, num_samples: int, source: UniformSource) -> Drawn:
+def draw(
+    logits: Tensor, controls: Controls, num_samples: int, source: UniformSource, num_top: int = 0
+) -> Drawn:
     """Draws from the processed distribution of ``logits`` (:func:`applies` holds).
 
     ``read`` in the result gives the kept (scaled) weight at any ``(B, c)`` columns, as the
     general path's weight buffer would hold it. With a tensor temperature, ``greedy`` and
     ``greedy_ids`` tell the rows to replace by their first maximal index (drawn at ``T = 1``
-    here, like the general path draws them).
+    here, like the general path draws them). On CPU in eager mode the result may also carry
+    the drawn ids' kept weights and the ``num_top`` largest (:mod:`.host_top_k`).
     """
-    # One pass over the logits (torch's threads if it is large), then a chain of small ops
-    # on one thread: a busy machine stalls parallel regions (see fastsample.ops.threads).
-    with pass_threads(logits.device, logits.numel()):
-        maxima = block_maxima(logits)
-    with one_thread(logits.device):
-        return _draw_from_maxima(logits, maxima, controls, num_samples, source)
+    # One pass over the logits (torch's threads), then a chain of small ops
+    # (see fastsample.ops.threads).
+    maxima = block_maxima(logits)
+    if host_readable(logits):
+        count = candidate_count(controls, logits.shape[1])
+        assert count is not None
+        got = host_top_k.draw(logits, maxima, controls, count, num_samples, source, num_top)
+        if got is not None:
+            return Drawn(
+                got.token_ids, got.genuine, got.total, got.valid, got.read, maxima,  # type: ignore[arg-type]
+                weights=got.weights, top_ids=got.top_ids, top_weights=got.top_weights,
+            )  # fmt: skip
+    return _draw_from_maxima(logits, maxima, controls, num_samples, source)
 
 
 def _draw_from_maxima(

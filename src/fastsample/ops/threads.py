@@ -1,73 +1,130 @@
-"""One CPU thread for chains of small ops: no parallel region a busy machine can stall.
+"""CPU threads: a call changes no thread setting, and its chains of small ops open no parallel
+region.
 
-On CPU, torch runs every op over more than 32,768 elements as an OpenMP parallel region on
-all its threads, and every region ends at a barrier. On a machine whose cores are shared
-(the normal state of an inference server) a region waits for its slowest thread, which may
-not be scheduled for milliseconds: measured on the 2-core VM with other processes running,
-a ``fill_`` of 50,000 floats took 22 ms with 2 threads and 4 us with one, and a sampling
-call made of a few dozen such ops ran 5-10x slower with 2 threads than with one. A chain of
-small ops gains little from a second thread even on a quiet machine, so the samplers run
-such chains on one thread (:func:`one_thread`) and keep the parallel regions for the few
-passes over the whole input that are worth them (:func:`pass_threads`).
+On CPU, torch runs an op over enough elements as an OpenMP parallel region on all its threads,
+and every region ends at a barrier; an op over fewer elements runs on the calling thread
+alone. "Enough" is ATen's grain: :data:`GRAIN` (32,768) for elementwise ops, reductions,
+``gather``, ``scatter``, ``nonzero`` and ``cat``; :data:`INDEX_GRAIN` (3,000) for advanced
+indexing (``x[rows, cols]``, ``index_put_``); :data:`VML_GRAIN` (2,048) for ``exp`` and ``log``;
+``topk``, ``cumsum`` and ``sort`` split over rows. On a machine whose cores are shared (the
+normal state of an inference server, and of the 2-core VM this project is measured on) a region
+waits for its slowest thread, which may not be scheduled for milliseconds: measured there, a
+``fill_`` of 50,000 floats took 22 ms with 2 threads and 4 us with one, a block-maxima pass at
+B=1 took 5 ms instead of 13 us in a loaded spell, and a call made of a few dozen such ops ran
+5-10x slower with 2 threads than with one.
 
-Results do not depend on the thread count here: the ops these chains use reduce each row (or
-block) on one thread either way.
+The thread count is the caller's: the library never calls ``torch.set_num_threads`` (it is
+process-wide, other threads would see it change during a call, and vLLM's CPU worker replaces
+it with a warning). Instead:
+
+* the chains of small ops are shaped to stay under those grains (per-row tables of a few
+  hundred entries, candidate lists, rows in pieces, ``gather``/``scatter`` on flat views
+  rather than advanced indexing, ``exp`` in pieces of :data:`VML_GRAIN`), so they open no
+  region whatever the thread count (``tests/test_threads.py`` counts the worker threads'
+  wake-ups);
+* the few passes over the whole input (the block maxima of the logits, the copy into the
+  stages' buffer, the raw log normalizer) run in pieces under the grain when the input is
+  small (fewer than :data:`PARALLEL_PASS_ELEMENTS`, B <= 8 at V = 128,256: the second thread
+  would save tens of microseconds and risk milliseconds), and keep torch's threads above: one
+  region per pass, ~2.5x faster than one thread on the quiet 2-core machine at B=64;
+* ``FASTSAMPLE_CPU_SERIAL`` (read at every call) overrides that: ``1`` runs every pass in
+  pieces (a call then opens no parallel region at all), ``0`` runs every pass as one op.
+
+Results never depend on any of this: every reduction here sums or compares within a row (or a
+block) in the same order whatever the pieces and the thread count.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
+import os
 
 import torch
+from torch import Tensor
 
-PARALLEL_PASS_ELEMENTS = 1 << 25
-"""A pass over at least this many elements (~10-20 ms on one core) keeps torch's threads. At
-B=64, V=128,256 (8.2M logits) the block-maxima pass ran as fast or faster on one thread on
-the shared 2-core VM (38 against 48-56 ms median under load, 127-151 against 122-159 ms
-beside 2 more busy loops), so only passes long enough to amortize a stalled barrier are
-parallel."""
+GRAIN = 32768
+"""ATen's ``at::internal::GRAIN_SIZE``: elementwise ops, reductions, ``gather``, ``scatter``,
+``nonzero``, ``cat`` over fewer elements run on the calling thread."""
 
-_lock = threading.Lock()
-_depth = 0
-_saved = 0
+INDEX_GRAIN = 3000
+"""ATen's grain of advanced indexing (``index``, ``index_put_``): 3,000 elements."""
 
+VML_GRAIN = 2048
+"""ATen's grain of the vectorized math functions (``exp``, ``log``): 2,048 elements."""
 
-def _serial_wanted(device: torch.device) -> bool:
-    return device.type == "cpu" and not torch.compiler.is_compiling()
+PARALLEL_PASS_ELEMENTS = 1 << 20
+"""Passes over at least this many elements keep torch's threads (unless
+``FASTSAMPLE_CPU_SERIAL=1``); smaller ones run in pieces under the grain. Measured on the
+2-core Xeon (block maxima of fresh float32 logits, V = 128,256): B=1 13 us in one op against 37
+us in pieces, B=8 95 against 300 us, B=64 1.7 against 4.3 ms, while a region stalled by a
+descheduled thread costs milliseconds (``docs/cpu-primitive-costs.md``)."""
 
-
-@contextlib.contextmanager
-def one_thread(device: torch.device) -> Iterator[None]:
-    """Run the block's CPU ops on one thread (``torch.set_num_threads(1)``), then restore.
-
-    The thread count is process-wide in torch: concurrent callers share one saved count (the
-    first in saves it, the last out restores it), and other threads' torch ops run on one
-    thread too while a block is open (for the few milliseconds of a sampling call). Nothing
-    happens off CPU, under ``torch.compile``, or when torch already uses one thread.
-    """
-    global _depth, _saved
-    if not _serial_wanted(device) or (_depth == 0 and torch.get_num_threads() == 1):
-        yield
-        return
-    with _lock:
-        if _depth == 0:
-            _saved = torch.get_num_threads()
-            torch.set_num_threads(1)
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                torch.set_num_threads(_saved)
+SERIAL_ENV = "FASTSAMPLE_CPU_SERIAL"
 
 
-def pass_threads(device: torch.device, elements: int) -> contextlib.AbstractContextManager:
-    """The context for one pass over ``elements``: torch's threads for a large pass, one
-    thread for a small one (a parallel region costs more than it saves there)."""
-    if elements >= PARALLEL_PASS_ELEMENTS:
-        return contextlib.nullcontext()
-    return one_thread(device)
+def serial_passes(device: torch.device, elements: int) -> bool:
+    """Whether a pass over ``elements`` runs in pieces under the grain: CPU eager, and
+    ``FASTSAMPLE_CPU_SERIAL`` is ``1`` (always), ``0`` (never) or unset (below
+    :data:`PARALLEL_PASS_ELEMENTS`). Read at every call."""
+    if device.type != "cpu" or torch.compiler.is_compiling() or elements < GRAIN:
+        return False
+    setting = os.environ.get(SERIAL_ENV, "")
+    if setting in ("", "auto"):
+        return elements < PARALLEL_PASS_ELEMENTS
+    return setting != "0"
+
+
+def copy_(out: Tensor, values: Tensor) -> Tensor:
+    """``out.copy_(values)`` for a pass over the input: in row pieces under the grain where
+    :func:`serial_passes` says so (the same values either way)."""
+    count = values.numel()
+    if not serial_passes(values.device, count) or values.dim() != 2:
+        return out.copy_(values)
+    batch, width = values.shape
+    if width >= GRAIN:  # long rows: pieces of each row
+        for row in range(batch):
+            for start in range(0, width, GRAIN - 1):
+                out[row, start : start + GRAIN - 1].copy_(values[row, start : start + GRAIN - 1])
+        return out
+    step = grain_rows(batch, width)
+    for start in range(0, batch, step):
+        out[start : start + step].copy_(values[start : start + step])
+    return out
+
+
+def exp_(values: Tensor) -> Tensor:
+    """``values.exp_()`` for the chains of small ops: in pieces of :data:`VML_GRAIN` elements
+    on CPU (eager), so it opens no parallel region; the same numbers (the function is applied
+    element by element, and torch's CPU ``exp`` rounds the same value the same way wherever
+    it sits in its loop)."""
+    count = values.numel()
+    if count <= VML_GRAIN or values.device.type != "cpu" or torch.compiler.is_compiling():
+        return values.exp_()
+    flat = values.view(-1)
+    for start in range(0, count, VML_GRAIN):
+        flat[start : start + VML_GRAIN].exp_()
+    return values
+
+
+def grain_rows(batch: int, row_elements: int) -> int:
+    """Rows per piece so that a piece of ``row_elements`` per row stays under the grain (at
+    least one)."""
+    return max(1, min(batch, (GRAIN - 1) // max(row_elements, 1)))
+
+
+def blockwise_(values: Tensor, out: Tensor, block: int, reduce: str) -> Tensor:
+    """``out[b, j] = reduce(values[b, j * block : (j + 1) * block])`` (``reduce``: ``"amax"`` or
+    ``"sum"``) for the ``(B, blocks)`` contiguous ``out``, in pieces of fewer than
+    :data:`GRAIN` elements (the serial mode): each piece is the same reduction over the same
+    blocks, so ``out`` is bitwise what the whole op gives."""
+    batch, blocks = out.shape
+    op = torch.amax if reduce == "amax" else torch.sum
+    step = max(1, (GRAIN - 1) // block)
+    if values.is_contiguous() and values.shape[1] == blocks * block:
+        pieces = [(values.view(batch * blocks, block), out.view(batch * blocks))]
+    else:  # row by row (a short last block, or strided rows)
+        rows = values[:, : blocks * block]
+        pieces = [(rows[b].reshape(blocks, block), out[b]) for b in range(batch)]
+    for source, result in pieces:
+        for start in range(0, source.shape[0], step):
+            op(source[start : start + step], -1, out=result[start : start + step])
+    return out

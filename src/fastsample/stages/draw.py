@@ -53,6 +53,8 @@ class Drawn(NamedTuple):
             ``want_greedy``).
         streams_flagged: whether ``out`` already flags rows with an out-of-range tensor
             ``stream`` (the kernels do).
+        maxima: ``(B, blocks)`` block maxima of the source, when the draw computed them (the
+            logprobs stage reuses them), or None.
     """
 
     out: SampleOutput
@@ -60,6 +62,7 @@ class Drawn(NamedTuple):
     total: Tensor | None = None
     greedy: Tensor | None = None
     streams_flagged: bool = False
+    maxima: Tensor | None = None
 
 
 def draw(
@@ -105,20 +108,29 @@ def draw(
         return Drawn(out, greedy=_all_rows(batch, source.device))
     if small_top_k.applies(logits, controls):  # the k best blocks and one count
         assert logits is not None
-        got = small_top_k.draw(logits, controls, num_samples, rng)
+        got = small_top_k.draw(logits, controls, num_samples, rng, num_top)
         token_ids, genuine = got.token_ids.clamp_max_(vocab - 1), got.genuine
         if got.greedy is not None:  # tensor temperature: greedy rows as the general path
             greedy_ids, greedy_genuine = _greedy_draws(logits, True, num_samples, got)
             token_ids = torch.where(got.greedy[:, None], greedy_ids, token_ids)
             genuine = torch.where(got.greedy[:, None], greedy_genuine, genuine)
-        out = finish(logits, token_ids, genuine, got.total, got.valid, got.read)
+        # CPU eager (the draw's weights came back): one host read spares the bad-row policy's
+        # ops when every row is clean.
+        clean = got.weights is not None and bool((got.valid[:, None] & genuine).all())
+        out = finish(logits, token_ids, genuine, got.total, got.valid, got.read, got.weights,
+                     clean)  # fmt: skip
         if got.greedy is not None:  # a point mass, as below
             out = _point_masses(out, got.valid, genuine, got.greedy)
-        if num_top:
+        if num_top and got.top_ids is not None:  # the top-N came with the draw (CPU eager)
+            assert got.top_weights is not None
+            out = _top_logprobs(
+                out, got.top_ids, got.top_weights, got.total, got.valid, all_clean=clean
+            )
+        elif num_top:
             out = _with_top_logprobs(
                 out, logits, num_top, got.maxima, got.read, got.total, got.valid, got.greedy
             )
-        return Drawn(out, got.read, got.total, got.greedy)
+        return Drawn(out, got.read, got.total, got.greedy, maxima=got.maxima)
     processed = processed_weights(logits, probs, controls, keep_maxima=num_top > 0)
     if controls.all_greedy:  # nothing random: skip the draw
         token_ids, genuine = _greedy_draws(source, is_logits, num_samples, processed)
@@ -148,7 +160,7 @@ def draw(
             out, source, num_top, processed.maxima, weights_at, processed.total, valid,
             processed.greedy,
         )  # fmt: skip
-    return Drawn(out, weights_at, processed.total, processed.greedy)
+    return Drawn(out, weights_at, processed.total, processed.greedy, maxima=processed.maxima)
 
 
 def _all_rows(batch: int, device: torch.device) -> Tensor:
@@ -196,12 +208,11 @@ def _greedy_everywhere(controls: v.Controls) -> bool:
     and the call is served as with a Python 0 (one blocked max pass, no weights). Elsewhere
     (CUDA, ``torch.compile``) such rows take the general path: no sync."""
     t = controls.temperature
-    return (
-        isinstance(t, Tensor)
-        and t.numel() > 0
-        and small_top_k.host_readable(t)
-        and bool((t == 0).all())
-    )
+    if not isinstance(t, Tensor) or t.numel() == 0 or not small_top_k.host_readable(t):
+        return False
+    if t.numel() <= 1024:  # the values themselves: fewer ops
+        return not any(t.tolist())
+    return bool((t == 0).all())
 
 
 def _all_greedy(
@@ -211,8 +222,9 @@ def _all_greedy(
     probability 1, from block maxima alone (plus the minimum for probabilities).
     ``rows_ok`` (``(B,)`` bool, tensor controls in range) flags the other rows invalid."""
     maxima = block_maxima(source)
-    # The row maximum and the first block holding it (torch.max returns the first index).
-    best, block = maxima.max(-1, keepdim=True)
+    # The row maximum and the first block holding it.
+    block = maxima.argmax(-1, keepdim=True)  # the first maximal index (documented)
+    best = maxima.gather(1, block)
     if is_logits:
         valid = best.isfinite()  # (B, 1); NaN, +inf and an all -inf row are not
     else:
@@ -258,10 +270,26 @@ def _with_top_logprobs(
     """
     _, top_ids = top_entries(source, num_top, maxima)
     kept = weights_at(top_ids).to(torch.float64)
+    return _top_logprobs(out, top_ids, kept, total, valid, greedy)
+
+
+def _top_logprobs(
+    out: SampleOutput,
+    top_ids: Tensor,
+    kept: Tensor,
+    total: Tensor,
+    valid: Tensor,
+    greedy: Tensor | None = None,
+    all_clean: bool = False,
+) -> SampleOutput:
+    """``out`` with the top tokens ``top_ids`` and their log-probabilities from their kept
+    weights ``kept`` (float64) over ``total`` (``all_clean``: every row valid, read on the
+    host)."""
     logprobs = kept.log() - total.log()[:, None]
     if greedy is not None:  # a point mass on the first (greedy) token
-        rank = torch.arange(num_top, device=source.device)
+        rank = torch.arange(top_ids.shape[1], device=top_ids.device)
         point = torch.where(rank == 0, 0.0, -math.inf).to(torch.float64)
         logprobs = torch.where(greedy[:, None], point, logprobs)
-    logprobs = torch.where(valid[:, None], logprobs, -math.inf)
+    if not all_clean:
+        logprobs = torch.where(valid[:, None], logprobs, -math.inf)
     return out._replace(top_token_ids=top_ids, top_logprobs=logprobs.to(out.probs.dtype))

@@ -6,18 +6,26 @@ Two modes (:data:`~fastsample.stages.params.LOGPROBS_MODES`):
   token's log-probability is ``log w - log W`` (its kept weight over the kept mass, float64),
   any other token's ``-inf``; a greedy row is the point mass at its first maximal index.
 * ``"raw"``: the logits as the engine gave them, after the allowed-token masks only (vLLM's
-  ``raw_logprobs``): ``x - logsumexp(x)``, the logsumexp in float64 from one pass over the
-  row (``max``, then ``sum exp(x - max)`` a few rows at a time). For probabilities,
-  ``log p - log sum p``.
+  ``raw_logprobs``): ``x - logsumexp(x)`` in float64, with ``logsumexp(x) = m + log sum p -
+  log p_m``, ``m`` the row maximum, ``p`` the row's softmax (torch's fused CPU kernel, into a
+  scratch buffer: one parallel region for a large batch, one row at a time for a small one)
+  and ``p_m`` its value at the first maximal entry; ``sum p`` from float32 block sums and a
+  float64 total. Within ~5e-8 of the float64 logsumexp (the softmax's own float32 sum is only
+  good to ~4e-6, which the second sum removes). For probabilities, ``log p - log sum p``
+  (float32 block sums, float64 total).
 
-Nothing here materializes a ``(B, V)`` log-softmax: the row's normalizer is one number, the
-top-N come from the block maxima (:func:`fastsample.ops.select.top_entries`), and the values
-at the drawn, top and requested ids are gathered.
+Nothing here returns a ``(B, V)`` log-softmax: the row's normalizer is one number, the top-N
+come from the block maxima (:func:`fastsample.ops.select.top_entries`; the draw's own when the
+raw and processed scores are one tensor), and the values at the drawn, top and requested ids
+are gathered.
 
 Ranks follow vLLM: the number of tokens at least as likely as the drawn one, itself
 included. They are counted on the scores that order the distribution exactly (the processed
-logits, or the raw ones), not on rounded log-probabilities: one compare pass per draw. A
-greedy row's ``j``-th draw has rank ``j`` in the processed mode (its ``j`` largest, in order).
+logits, or the raw ones), not on rounded log-probabilities. On CPU in eager mode only the
+blocks whose maximum reaches the drawn score are read (a drawn token is most often among the
+few largest: a few blocks), in pieces under torch's parallel grain; elsewhere one compare pass
+per draw. A greedy row's ``j``-th draw has rank ``j`` in the processed mode (its ``j``
+largest, in order).
 """
 
 from __future__ import annotations
@@ -28,13 +36,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..ops.pieces import row_pieces
-from ..ops.select import block_maxima, top_entries
+from ..ops import scratch, threads
+from ..ops.inverse_cdf import BLOCK, row_summaries
+from ..ops.select import block_maxima, first_in_block, top_entries
+from ..ops.small_top_k import host_readable
 from .draw import Drawn
 from .output import SampleOutput
-
-# Rows per piece of the normalizer's pass: a few MiB of scratch that stays in cache.
-_PIECE_ELEMENTS = 1 << 20
 
 
 class RawNormalizer(NamedTuple):
@@ -43,22 +50,58 @@ class RawNormalizer(NamedTuple):
     scores: Tensor  # (B, V) logits after the masks (or probabilities)
     log_total: Tensor  # (B,) float64: logsumexp of the logits, or log of the sum of probs
     is_logits: bool
+    maxima: Tensor | None = None  # (B, blocks) block maxima of scores, when computed
 
 
-def raw_normalizer(scores: Tensor, is_logits: bool) -> RawNormalizer:
-    """One pass over ``scores``: the float64 log normalizer of each row."""
+def raw_normalizer(scores: Tensor, is_logits: bool, maxima: Tensor | None = None) -> RawNormalizer:
+    """The float64 log normalizer of each row of ``scores`` (``maxima``: their block maxima,
+    if the draw has them)."""
     batch, vocab = scores.shape
     if not is_logits:
-        total = scores.sum(-1, dtype=torch.float64)
-        return RawNormalizer(scores, total.log(), False)
-    peak = block_maxima(scores).amax(-1).to(torch.float32)
-    shift = torch.where(peak.abs() < math.inf, peak, 0.0)
-    sums = []
-    for rows in row_pieces(batch, vocab, scores.device, _PIECE_ELEMENTS):
-        part = scores[rows].to(torch.float32) - shift[rows, None]
-        sums.append(part.exp_().sum(-1, dtype=torch.float64))
-    total = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=scores.device)
-    return RawNormalizer(scores, total.log() + shift.to(torch.float64), True)
+        total = row_summaries(scores)[0].sum(-1)
+        return RawNormalizer(scores, total.log(), False, maxima)
+    if maxima is None:
+        maxima = block_maxima(scores)
+    block = maxima.argmax(-1, keepdim=True)  # the first block holding the row maximum
+    peak = maxima.gather(1, block)
+    first = first_in_block(scores, block)[:, None]
+    dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    probs = scratch.buffer("raw softmax", (batch, vocab), dtype, scores.device)
+    serial = threads.serial_passes(scores.device, scores.numel())
+    if serial:  # one row at a time: torch's softmax opens no parallel region for one row
+        for row in range(batch):
+            _softmax(scores[row], probs[row])
+    else:
+        _softmax(scores, probs)
+    # p = e / s with e = exp(x - m) and s their float32 sum; the e are exact to float32, the
+    # sum of ~1e5 of them in float32 is not (~4e-6 relative): sum p again (float32 blocks,
+    # float64 total), so that log(sum e) = log(sum p) - log(p at m) (e there is 1) to ~5e-8.
+    mass = _row_mass(probs, serial)
+    at_peak = probs.gather(1, first).squeeze(1).to(torch.float64)
+    log_total = peak.squeeze(1).to(torch.float64) + mass.log() - at_peak.log()
+    return RawNormalizer(scores, log_total, True, maxima)
+
+
+def _softmax(scores: Tensor, out: Tensor) -> Tensor:
+    if scores.dtype in (torch.float16, torch.bfloat16):  # in float32, as the weights are
+        scores = scores.float()
+    return torch.ops.aten._softmax.out(scores, -1, False, out=out)
+
+
+def _row_mass(values: Tensor, serial: bool) -> Tensor:
+    """``(B,)`` float64 row sums of ``values`` from float32 (float64) sums of blocks, in
+    pieces under the parallel grain when ``serial`` (the same numbers either way)."""
+    batch, vocab = values.shape
+    full = vocab // BLOCK
+    if serial:
+        sums = torch.empty(batch, full, dtype=values.dtype, device=values.device)
+        threads.blockwise_(values, sums, BLOCK, "sum")
+    else:
+        sums = values[:, : full * BLOCK].reshape(batch, full, BLOCK).sum(-1)
+    total = sums.to(torch.float64).sum(-1)
+    if vocab % BLOCK:
+        total += values[:, full * BLOCK :].sum(-1).to(torch.float64)
+    return total
 
 
 def _raw_at(raw: RawNormalizer, ids: Tensor) -> Tensor:
@@ -69,10 +112,46 @@ def _raw_at(raw: RawNormalizer, ids: Tensor) -> Tensor:
     return values - raw.log_total[:, None]
 
 
-def count_at_least(scores: Tensor, values: Tensor) -> Tensor:
-    """``(B, n)`` int64: entries of each row of ``scores`` that are ``>= values[:, j]``."""
-    columns = [torch.ge(scores, values[:, j : j + 1]).sum(-1) for j in range(values.shape[1])]
-    return torch.stack(columns, 1)
+def count_at_least(scores: Tensor, values: Tensor, maxima: Tensor | None = None) -> Tensor:
+    """``(B, n)`` int64: entries of each row of ``scores`` that are ``>= values[:, j]``
+    (``maxima``: the block maxima of ``scores``, which let CPU eager calls read only the blocks
+    that can hold such entries)."""
+    columns = []
+    for j in range(values.shape[1]):
+        value = values[:, j]
+        counted = None
+        if maxima is not None and host_readable(scores) and scores.is_contiguous():
+            counted = _count_in_reaching_blocks(scores, value, maxima)
+        if counted is None:
+            counted = torch.ge(scores, value[:, None]).sum(-1)
+        columns.append(counted)
+    return columns[0][:, None] if len(columns) == 1 else torch.stack(columns, 1)
+
+
+# Blocks read per row (on average) past which the plain compare pass is cheaper.
+_RANK_BLOCKS = 32
+
+
+def _count_in_reaching_blocks(scores: Tensor, value: Tensor, maxima: Tensor) -> Tensor | None:
+    """``(B,)`` count of entries ``>= value`` per row from the blocks whose maximum reaches it
+    (the others hold none), read in pieces under the parallel grain; None when too many blocks
+    reach it (a drawn token far down the row, or a NaN value)."""
+    batch, vocab = scores.shape
+    # A NaN block maximum hides the block's other entries: such a block is read too.
+    row, block = (maxima < value[:, None]).logical_not_().nonzero(as_tuple=True)
+    if row.shape[0] > _RANK_BLOCKS * batch or row.shape[0] < batch:
+        return None  # many blocks, or a row with none (NaN): the compare pass
+    offsets = torch.arange(BLOCK, device=scores.device)
+    flat = scores.view(-1)
+    counts = torch.zeros(batch, dtype=torch.int64, device=scores.device)
+    step = (threads.GRAIN - 1) // BLOCK
+    for start in range(0, row.shape[0], step):
+        rows, blocks = row[start : start + step], block[start : start + step]
+        columns = blocks[:, None] * BLOCK + offsets
+        entries = flat.gather(0, (rows[:, None] * vocab + columns.clamp_max(vocab - 1)).view(-1))
+        reached = (entries.view(-1, BLOCK) >= value.gather(0, rows)[:, None]) & (columns < vocab)
+        counts.scatter_add_(0, rows, reached.sum(-1))
+    return counts
 
 
 def attach(
@@ -94,12 +173,13 @@ def attach(
         logp = _raw_at(raw, ids)
         out = out._replace(logprobs=torch.where(valid[:, None], logp, -math.inf).to(out_dtype))
         if num_top:
-            top_ids = top_entries(raw.scores, num_top)[1]
+            top_ids = top_entries(raw.scores, num_top, raw.maxima)[1]
             top = torch.where(valid[:, None], _raw_at(raw, top_ids), -math.inf)
             out = out._replace(top_token_ids=top_ids, top_logprobs=top.to(out_dtype))
     if ranks:
         source = raw.scores if raw is not None else scores
-        rank = count_at_least(source, source.gather(1, ids))
+        maxima = raw.maxima if raw is not None else drawn.maxima
+        rank = count_at_least(source, source.gather(1, ids), maxima)
         if raw is None and drawn.greedy is not None:  # the j largest, in order
             order = torch.arange(1, ids.shape[1] + 1, device=ids.device).expand_as(ids)
             rank = torch.where(drawn.greedy[:, None], order, rank)

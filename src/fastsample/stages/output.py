@@ -66,14 +66,24 @@ def finish(
     total: Tensor,
     clean: Tensor,
     read: Callable[[Tensor], Tensor] | None = None,
+    drawn: Tensor | None = None,
+    all_clean: bool = False,
 ) -> SampleOutput:
     """Probabilities, log-probabilities and the bad-row policy for drawn ``token_ids``.
 
     ``read(columns)`` gives the weights when they were never materialized (``weights`` then
-    only gives the dtype and device)."""
+    only gives the dtype and device); ``drawn`` (``(B, n)`` float64), when given, are the
+    weights at ``token_ids`` already read by the draw. ``all_clean``: every row is clean and
+    every draw genuine (read on the host by the caller), so no row needs the policy."""
     batch, num_samples = token_ids.shape
     out_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
-    drawn = (weights.gather(1, token_ids) if read is None else read(token_ids)).to(torch.float64)
+    if drawn is None:
+        drawn = weights.gather(1, token_ids) if read is None else read(token_ids)
+        drawn = drawn.to(torch.float64)
+    if all_clean:  # the same numbers as below where every row is kept
+        token_probs = drawn / total[:, None]
+        logprobs = drawn.log() - total.log()[:, None]
+        return SampleOutput(token_ids, token_probs.to(out_dtype), clean, logprobs.to(out_dtype))
     keep = clean[:, None] & genuine
     token_probs = torch.where(keep, drawn / total[:, None], 0.0)
     logprobs = torch.where(keep, drawn.log() - total.log()[:, None], -math.inf)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..ops import bitmask
+from ..ops.threads import GRAIN, grain_rows
 from .state import TokenStats
 
 Penalty = float | Tensor | None
@@ -50,7 +51,7 @@ def penalize(x: Tensor, seen: Tensor, count: Tensor, rep: Penalty, freq: Penalty
     return x
 
 
-def _rows(value: Penalty, index: Tensor) -> Penalty:
+def _rows(value: Penalty, index: Tensor | slice) -> Penalty:
     return value[index] if isinstance(value, Tensor) else value
 
 
@@ -69,11 +70,11 @@ def apply_(
     row); ``extra`` (``(R, E)`` int64, -1 = none) are tokens counted as output on top of the
     stats (the drafts before a verification position).
     """
-    if rows is None:
-        rows = torch.arange(x.shape[0], device=x.device)
     sparse = x.shape[1] >= SPARSE_FROM
     if sparse and x.device.type == "cpu" and not torch.compiler.is_compiling():
         return _sparse_(x, stats, rep, freq, pres, rows, extra)
+    if rows is None:
+        rows = torch.arange(x.shape[0], device=x.device)
     return _dense_(x, stats, rep, freq, pres, rows, extra)
 
 
@@ -97,31 +98,102 @@ def _dense_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
 
 
 def _sparse_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
+    """The sparse path: rows in pieces whose seen-mask words stay under torch's parallel
+    grain (fastsample.ops.threads), so no op opens a parallel region."""
+    batch = x.shape[0]
+    words = stats.seen_mask.shape[1]
+    step = grain_rows(batch, words // 2 if words % 2 == 0 else words)
+    for start in range(0, batch, step):
+        piece = slice(start, min(start + step, batch))
+        _sparse_piece_(
+            x[piece], stats, _rows(rep, piece), _rows(freq, piece), _rows(pres, piece),
+            None if rows is None else rows[piece], None if extra is None else extra[piece],
+            start,
+        )  # fmt: skip
+    return x
+
+
+def seen_positions(words: Tensor) -> tuple[Tensor, Tensor]:
+    """``(row, column)`` of every set bit of ``(R, W)`` int32 ``words`` (as 64-bit words when
+    ``W`` is even: half as many to scan). The nonzero words are a few hundred per row of a
+    128k vocabulary and most hold one bit, so rounds take each word's lowest set bit (its
+    index is the exponent of a power of two, exact in float64) until the few words left can
+    give all their bits at once (one shift per bit) with fewer entries than the parallel
+    grain."""
+    if words.shape[1] % 2 == 0 and words.is_contiguous():
+        words, bits = words.view(torch.int64), 64
+    else:
+        bits = bitmask.WORD_BITS
+    row, word = words.nonzero(as_tuple=True)
+    value = words.view(-1).gather(0, row * words.shape[1] + word)
+    if bits == 32:
+        value = value.to(torch.int64).bitwise_and_(0xFFFFFFFF)
+    rows_out, columns_out = [], []
+    while value.shape[0]:
+        if value.shape[0] * bits < GRAIN:  # the rest, every bit at once
+            lanes = torch.arange(bits, device=words.device)
+            which, lane = ((value[:, None] >> lanes) & 1).nonzero(as_tuple=True)
+            rows_out.append(row.index_select(0, which))
+            columns_out.append(word.index_select(0, which).mul_(bits).add_(lane))
+            break
+        low = value & -value  # the lowest set bit (bit 63: the int64 minimum, exponent 64)
+        rows_out.append(row)
+        columns_out.append(torch.frexp(low.to(torch.float64)).exponent.sub_(1).add_(word * bits))
+        left = (value.bitwise_xor_(low) != 0).nonzero().squeeze(1)
+        row, word, value = row[left], word[left], value[left]
+    if len(rows_out) == 1:
+        return rows_out[0], columns_out[0]
+    return torch.cat(rows_out), torch.cat(columns_out)
+
+
+def _sparse_piece_(x, stats, rep, freq, pres, rows, extra, first) -> Tensor:
     vocab = x.shape[1]
-    words = stats.seen_mask.index_select(0, rows)
-    row, word = words.nonzero(as_tuple=True)  # the nonzero words: a few hundred per row
-    lanes = torch.arange(bitmask.WORD_BITS, device=x.device)
-    bits = (words[row, word][:, None] >> lanes.to(torch.int32)) & 1
-    columns = word[:, None] * bitmask.WORD_BITS + lanes
-    hit = (bits == 1) & (columns < vocab)
-    pos_row = row[:, None].expand_as(columns)[hit]
-    pos_col = columns[hit]
+    if rows is None:  # rows first .. first + R - 1 of the stats
+        words = stats.seen_mask[first : first + x.shape[0]]
+        state_rows = None
+    else:
+        words = stats.seen_mask.index_select(0, rows)
+        state_rows = rows
+    pos_row, pos_col = seen_positions(words)
+    if vocab % bitmask.WORD_BITS:  # bits past the vocabulary in the last word: none are set
+        inside = pos_col < vocab
+        pos_row, pos_col = pos_row[inside], pos_col[inside]
+    seen = None  # every bit-mask position is seen
+    seen_count = pos_row.shape[0]
     if extra is not None and extra.shape[1]:
         inside = (extra >= 0) & (extra < vocab)
         extra_row = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(extra)[inside]
         pos_row = torch.cat((pos_row, extra_row))
         pos_col = torch.cat((pos_col, extra[inside]))
-    count = stats.output_counts[rows[pos_row], pos_col].to(x.dtype)
-    word = stats.seen_mask[rows[pos_row], pos_col // bitmask.WORD_BITS]
-    seen = ((word >> (pos_col % bitmask.WORD_BITS).to(torch.int32)) & 1).bool()
-    if extra is not None and extra.shape[1]:
+    # Flat gathers and scatters, not advanced indexing (a parallel region from 3,000 entries).
+    state_row = pos_row + first if state_rows is None else state_rows.gather(0, pos_row)
+    count = _at(stats.output_counts, state_row, pos_col).to(x.dtype)
+    if pos_row.shape[0] > seen_count:  # drafts counted as output (verification)
+        word = _at(stats.seen_mask, state_row, pos_col // bitmask.WORD_BITS)
+        seen = ((word >> (pos_col % bitmask.WORD_BITS).to(torch.int32)) & 1).bool()
         more = (extra[pos_row] == pos_col[:, None]).sum(-1).to(x.dtype)
         count = count + more
         seen = seen | (more > 0)
+    else:
+        seen = torch.ones(pos_row.shape, dtype=torch.bool, device=x.device)
     # Every visit of a position computes the same number (a seen draft is visited twice).
     values = penalize(
-        x[pos_row, pos_col], seen, count,
-        _rows(rep, pos_row), _rows(freq, pos_row), _rows(pres, pos_row),
+        _at(x, pos_row, pos_col), seen, count,
+        _gather(rep, pos_row), _gather(freq, pos_row), _gather(pres, pos_row),
     )  # fmt: skip
-    x[pos_row, pos_col] = values
+    if x.is_contiguous():
+        x.view(-1).scatter_(0, pos_row * x.shape[1] + pos_col, values)
+    else:
+        x[pos_row, pos_col] = values
     return x
+
+
+def _at(table: Tensor, row: Tensor, col: Tensor) -> Tensor:
+    """``table[row, col]`` by a flat ``gather`` where ``table`` is contiguous."""
+    if table.is_contiguous():
+        return table.view(-1).gather(0, row * table.shape[1] + col)
+    return table[row, col]
+
+
+def _gather(value: Penalty, index: Tensor) -> Penalty:
+    return value.gather(0, index) if isinstance(value, Tensor) else value

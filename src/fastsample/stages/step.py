@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..controls import process_checked
+from ..ops import scratch, threads
 from ..ops import validation as v
 from ..ops.seeds import check_stream_values, make_source, stream_ok
 from ..ops.weights import compute_dtype
@@ -97,8 +98,10 @@ def _prepare(
     raw_wanted: bool,
     rows: Tensor | None = None,
     extra: Tensor | None = None,
+    scratch_ok: bool = False,
 ) -> _Prepared:
-    """Stages a-c: the logits the controls read (a fresh buffer when a stage is on)."""
+    """Stages a-c: the logits the controls read (a buffer of ours when a stage is on: with
+    ``scratch_ok``, the calling thread's kept one, :mod:`fastsample.ops.scratch`)."""
     batch = source.shape[0]
     dtype = compute_dtype(source.dtype)
     scores = v.detached(source)
@@ -106,14 +109,21 @@ def _prepare(
         staged = kernel_step.staged(scores, is_logits, params, state, words, indices, output_len,
                                     rows, extra)  # fmt: skip
         return _Prepared(scores if staged is None else staged, None, is_logits, params.rows_ok)
+
+    def new_buffer(slot: str) -> Tensor:
+        if scratch_ok:
+            return scratch.buffer(slot, tuple(source.shape), dtype, source.device)
+        return torch.empty(source.shape, dtype=dtype, device=source.device)
+
     mask = allowed.allowed_words(words, indices, params.allowed_mask, batch)
+    owned = False  # whether scores is a buffer of ours (not the caller's logits, or a view)
     if mask is not None:
-        buffer = torch.empty(source.shape, dtype=dtype, device=source.device)
-        scores = allowed.apply(scores, mask, buffer, is_logits)
+        scores, owned = allowed.apply(scores, mask, new_buffer("allowed"), is_logits), True
     raw = scores if raw_wanted else None
     if params.edits_logits:
         # Stages b-c edit in place: a buffer of our own, apart from the raw scores if kept.
-        scores = scores.to(dtype, copy=scores is source or raw_wanted)
+        if not owned or raw_wanted:
+            scores, owned = threads.copy_(new_buffer("staged"), scores), True
         if params.bias_ids is not None:
             assert params.bias_values is not None
             bias.apply_bias_(scores, params.bias_ids, params.bias_values)
@@ -204,12 +214,15 @@ def sample_step(
                                        words, indices, output_len, rng)  # fmt: skip
     raw_mode = params.logprobs_mode == "raw"
     ready = _prepare(source, logits is not None, params, state, words, indices, output_len,
-                     raw_mode)  # fmt: skip
+                     raw_mode, scratch_ok=True)  # fmt: skip
     drawn = draw(
         ready.scores, ready.is_logits, params.controls, params.num_samples, rng,
         0 if raw_mode else params.top_logprobs, want_greedy=params.token_ranks,
     )  # fmt: skip
-    raw = logprobs.raw_normalizer(ready.raw, ready.is_logits) if ready.raw is not None else None
+    raw = None
+    if ready.raw is not None:  # the draw's block maxima when it read the same scores
+        maxima = drawn.maxima if ready.raw is ready.scores else None
+        raw = logprobs.raw_normalizer(ready.raw, ready.is_logits, maxima)
     out = logprobs.attach(
         drawn, ready.scores, raw, params.top_logprobs, params.token_ranks,
         params.logprob_token_ids,
@@ -261,7 +274,9 @@ def process_step(
     source, words, indices = _check_inputs(
         logits, None, params, state, token_bitmask, bitmask_indices, output_len, rows
     )
-    ready = _prepare(source, True, params, state, words, indices, output_len, False, rows, extra)
+    ready = _prepare(
+        source, True, params, state, words, indices, output_len, False, rows, extra, True
+    )
     out = process_checked(ready.scores, None, params.controls)
     if ready.rows_ok is not None:
         out = torch.where(ready.rows_ok[:, None], out, 0.0)

@@ -129,6 +129,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(bounded, stopped at the end) and report each row's slowdown under that load",
     )
     parser.add_argument(
+        "--fresh",
+        type=int,
+        metavar="N",
+        default=1,
+        help="with --controls: every call takes the next of N logits tensors (fresh logits "
+        "every call, as in an engine; default 1: one tensor reused)",
+    )
+    parser.add_argument(
         "--setting",
         nargs="+",
         metavar="GLOB",

@@ -17,6 +17,20 @@ tensors) the same call is timed, round-robin in one process, for:
 * ``fs.tensor``: the same controls as ``(B,)`` tensors (every stage runs for every row:
   what an engine with mixed requests pays).
 
+In the setting ``T=0.7 k=50 p=0.9``, the engine step as an engine calls it
+(:func:`fastsample.sample_step` with a :class:`~fastsample.StepParams` built once, per-row
+tensors for the controls and the seeds, a ``(B,)`` step counter):
+
+* ``fs.step``: the controls and the seeded draw;
+* ``fs.step+pen+lp``: with repetition, frequency and presence penalties (1.1, 0.2, 0.1 per
+  row; :class:`~fastsample.TokenStats` of 512 prompt and 128 output tokens a row) and the
+  top-5 logprobs with the drawn tokens' ranks, processed;
+* ``fs.step+pen+lp.raw``: the same with raw logprobs (vLLM's default).
+
+``--fresh N`` gives every call of every contender the next of ``N`` logits tensors (fresh
+logits every call, as in an engine, where the logits are new each step: ``N >= 4`` keeps
+them out of a 2-core machine's caches at B=64); the default reuses one.
+
 Reported: the median of each, the speed-ups of ``fs`` and ``fs.tensor`` over ``hf``, ``vllm``
 and ``sglang``, and the multiple of one read pass over the logits (``logits.sum(-1)``). Every
 ``--batch`` given is run in turn (default 64). With ``--busy N`` each setting is timed twice,
@@ -159,25 +173,85 @@ ALWAYS = ("read_pass", *PEERS)
 """Contenders that run whatever ``--contender`` says: the ratios need them."""
 
 
+STEP_SETTING = "T=0.7 k=50 p=0.9"
+"""The setting whose rows include the engine step (``fs.step*``)."""
+
+PROMPT_TOKENS, OUTPUT_TOKENS = 512, 128
+"""Tokens a row of the step rows' TokenStats has seen (prompt, output)."""
+
+
+def _cycle(pool: list[Tensor]) -> Callable[[], Tensor]:
+    """The next tensor of ``pool`` at every call (round-robin)."""
+    state = [-1]
+
+    def next_logits() -> Tensor:
+        state[0] = (state[0] + 1) % len(pool)
+        return pool[state[0]]
+
+    return next_logits
+
+
+def step_calls(
+    controls: dict, nxt: Callable[[], Tensor], batch: int, vocab: int, device: torch.device
+) -> dict:
+    """The engine-step contenders (module docstring), on ``nxt()`` logits."""
+    from ...stages import StepParams, TokenStats, sample_step
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    rows = {name: torch.full((batch,), value, device=device) for name, value in controls.items()}
+    rows["top_k"] = rows["top_k"].long()
+    seeded = dict(rows, seed=torch.arange(batch, device=device) * 7919 + 1)
+    step = torch.zeros(batch, dtype=torch.int64, device=device)
+    seen = torch.randint(0, vocab, (batch, PROMPT_TOKENS + OUTPUT_TOKENS), generator=gen)
+    stats = TokenStats.from_prompts(
+        seen[:, :PROMPT_TOKENS].to(device), vocab, outputs=seen[:, PROMPT_TOKENS:].to(device)
+    )
+    penalties = {
+        name: torch.full((batch,), value, device=device)
+        for name, value in (
+            ("repetition_penalty", 1.1), ("frequency_penalty", 0.2), ("presence_penalty", 0.1)
+        )
+    }  # fmt: skip
+    plain = StepParams(batch, vocab, device=device, **seeded)
+    calls: dict[str, Call] = {"fs.step": lambda: sample_step(nxt(), params=plain, step=step)}
+    for label, mode in (("fs.step+pen+lp", "processed"), ("fs.step+pen+lp.raw", "raw")):
+        params = StepParams(
+            batch, vocab, device=device, **seeded, **penalties, top_logprobs=5,
+            logprobs_mode=mode, token_ranks=True,
+        )  # fmt: skip
+        calls[label] = lambda params=params: sample_step(
+            nxt(), params=params, state=stats, step=step
+        )
+    return calls
+
+
 def setting_calls(
-    name: str, logits: Tensor, peers: bool = True, only: list[str] | None = None
+    name: str,
+    logits: Tensor,
+    peers: bool = True,
+    only: list[str] | None = None,
+    pool: list[Tensor] | None = None,
 ) -> dict[str, Call]:
     """The contenders of one setting, in display order (``only``: fnmatch globs of the
-    optional ones to keep)."""
+    optional ones to keep; ``pool``: logits to cycle through, call after call, instead of
+    ``logits`` alone)."""
     controls = SETTINGS[name]
-    batch = logits.shape[0]
+    batch, vocab = logits.shape
+    nxt = _cycle(pool or [logits])
     calls: dict[str, Call] = {
-        "read_pass": lambda: logits.sum(-1),
-        "hf": lambda: hf_pipeline(logits, controls),
+        "read_pass": lambda: nxt().sum(-1),
+        "hf": lambda: hf_pipeline(nxt(), controls),
     }
     transformers_call = transformers_pipeline(controls) if peers else None
     if transformers_call is not None:
-        calls["hf.transformers"] = lambda: transformers_call(logits)
-    calls["vllm"] = lambda: vllm_sample(logits, controls)
-    calls["sglang"] = lambda: sglang_sample(logits, controls)
+        calls["hf.transformers"] = lambda: transformers_call(nxt())
+    calls["vllm"] = lambda: vllm_sample(nxt(), controls)
+    calls["sglang"] = lambda: sglang_sample(nxt(), controls)
     as_tensors = tensor_controls(controls, batch, logits.device)
-    calls["fs"] = lambda: sample(logits, **controls)  # type: ignore[arg-type]
-    calls["fs.tensor"] = lambda: sample(logits, **as_tensors)
+    calls["fs"] = lambda: sample(nxt(), **controls)  # type: ignore[arg-type]
+    calls["fs.tensor"] = lambda: sample(nxt(), **as_tensors)
+    if name == STEP_SETTING:
+        calls.update(step_calls(controls, nxt, batch, vocab, logits.device))
     if only:
         keep = [c for c in calls if c in ALWAYS or any(fnmatch(c, g) for g in only)]
         calls = {c: calls[c] for c in keep}
@@ -196,10 +270,11 @@ def run_setting(
     peers: bool = True,
     busy: int = 0,
     only: list[str] | None = None,
+    pool: list[Tensor] | None = None,
 ) -> list[Row]:
     """Time every contender for one setting, interleaved (then again beside ``busy``
     busy-loop processes if ``busy``); rows in display order."""
-    calls = setting_calls(name, logits, peers, only)
+    calls = setting_calls(name, logits, peers, only, pool)
     quiet = _medians(calls, logits.device, timing)
     loaded = None
     if busy:
@@ -231,7 +306,7 @@ BUSY_HEADER = ("busy ms", "slowdown")
 
 
 def _line(cells: tuple[str, ...]) -> str:
-    widths = (18, 16, 10, 8, 8, 9, 11, 10, 9)[: len(cells)]
+    widths = (18, 19, 10, 8, 8, 9, 11, 10, 9)[: len(cells)]
     return "  ".join(
         f"{c:<{w}}" if i < 2 else f"{c:>{w}}"
         for i, (c, w) in enumerate(zip(cells, widths, strict=True))
@@ -276,13 +351,20 @@ def run(args: argparse.Namespace) -> int:
     )
     rows: list[Row] = []
     start = time.perf_counter()
+    fresh = max(1, getattr(args, "fresh", None) or 1)
     for batch in batches:
         gen = torch.Generator(device=device).manual_seed(args.seed)
-        logits = torch.randn(batch, vocab, generator=gen, device=device) * LOGIT_SCALE
-        print(f"B={batch} V={vocab}")
+        pool = [
+            torch.randn(batch, vocab, generator=gen, device=device) * LOGIT_SCALE
+            for _ in range(fresh)
+        ]
+        logits = pool[0]
+        print(f"B={batch} V={vocab}" + (f", {fresh} logits tensors in turn" if fresh > 1 else ""))
         print(_line(HEADER + (BUSY_HEADER if busy else ())))
         for name in settings:
-            setting_rows = run_setting(name, logits, timing, busy=busy, only=args.contender)
+            setting_rows = run_setting(
+                name, logits, timing, busy=busy, only=args.contender, pool=pool
+            )
             print_rows(setting_rows, sys.stdout)
             rows.extend(setting_rows)
     print(
@@ -291,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         + ("; slowdown: busy ms / median ms" if busy else "")
     )
     if args.json:
-        config = {"batch": batches, "vocab": vocab, "busy": busy}
+        config = {"batch": batches, "vocab": vocab, "busy": busy, "fresh": fresh}
         config["controls"] = {n: SETTINGS[n] for n in settings}
         save_json(args.json, rows, info, config)
         print(f"saved {args.json}")

@@ -1,0 +1,486 @@
+"""The small-top-k draw on CPU in eager mode: few ops, none over torch's parallel grain.
+
+:mod:`fastsample.ops.small_top_k` draws from the ``k`` best blocks without weighing the row.
+On CPU in eager mode host reads cost nothing (no device to wait for), so this path decides on
+the host what the fixed-shape steps compute for every row, and keeps only the ops the usual
+call needs (about a hundred at B=1 instead of ~300; ``docs/cpu-primitive-costs.md``):
+
+1. the ``need`` blocks with the largest maxima (``need`` = ``max(k)`` plus spares for ties,
+   plus one) and ``floor``, the smallest of those maxima: the ``need`` largest entries of the
+   row are among the entries of these blocks that reach ``floor``, which for continuous
+   logits are barely more than ``need``. The blocks are scanned in pieces of fewer than
+   :data:`~fastsample.ops.threads.GRAIN` entries (a row of them is 13,056 at ``k = 50``), so
+   no op opens a parallel region whatever the batch;
+2. the weights of those candidates only, the k-th weight of each row, and one host read that
+   decides the common case: the float32 logit just below the k-th one weighs less than it (so
+   ``x_low``, the smallest logit reaching the k-th weight, is the k-th logit itself) and the
+   ``need``-th largest entry lies below ``x_low`` (no entry outside the candidates can be
+   kept). Top-N logprobs ask the same read whether the N largest are all candidates;
+3. the cuts (:func:`~fastsample.ops.cuts.top_p_cut_from_candidates`, min-p) and the block
+   sums of the kept candidate weights (bitwise the general path's: a block holding three or
+   more is summed as a tile, as :func:`~fastsample.ops.inverse_cdf.block_sums` sums it);
+4. the blocked inverse CDF (:func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw`), which
+   returns the drawn tokens' kept weights as well, and the top-N from the candidates.
+
+For one or two rows and one draw, steps 3-4's scalar work (the cuts, the block sums, the
+block and entry choices) is done in Python floats (:mod:`.host_floats`, the same numbers).
+
+Anything else (NaN or mostly masked rows, greedy rows of a tensor temperature, ties at the
+k-th weight beyond the candidates, a vocabulary of fewer blocks than ``need``) returns None
+before any uniform is drawn, and the caller takes :mod:`~fastsample.ops.small_top_k`'s general
+steps: same numbers, more ops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import host_floats, threads
+from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
+from .inverse_cdf import BLOCK, inverse_cdf_draw
+from .noise import UniformSource
+from .select import _largest_first
+from .threads import GRAIN
+from .validation import Controls
+
+# Entries reaching the floor per candidate past which the ties are too many for a short table
+# (integer logits, masked rows): the general steps serve those calls.
+_REACHING_MAX = 4
+# Candidates beyond k for ties at the k-th logit, per dtype (as small_top_k._TIE_SPARES).
+_TIE_SPARES = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 16}
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class HostDrawn(NamedTuple):
+    """What :func:`draw` returns (the fields of :class:`~fastsample.ops.small_top_k.Drawn`
+    plus the drawn tokens' kept weights and the top-N)."""
+
+    token_ids: Tensor  # (B, n) int64, not yet clamped to V - 1
+    genuine: Tensor  # (B, n) bool
+    total: Tensor  # (B,) float64
+    valid: Tensor  # (B,) bool
+    read: object  # kept weights at (B, c) columns
+    weights: Tensor  # (B, n) float64 kept weights of the drawn tokens
+    top_ids: Tensor | None  # (B, N) the N largest logits' ids, ties by the lower index
+    top_weights: Tensor | None  # (B, N) float64 their kept weights
+
+
+def _host_list(value: object, batch: int) -> list:
+    return value.tolist() if isinstance(value, Tensor) else [value] * batch
+
+
+def draw(
+    logits: Tensor,
+    maxima: Tensor,
+    controls: Controls,
+    count: int,
+    num_samples: int,
+    source: UniformSource,
+    num_top: int,
+) -> HostDrawn | None:
+    """The draw of :func:`fastsample.ops.small_top_k.draw` for CPU eager calls (``logits``
+    float32 or half, ``maxima`` its block maxima, ``count`` the largest ``k``), or None when
+    the call needs the general steps (decided before any uniform is drawn)."""
+    batch, vocab = logits.shape
+    blocks = maxima.shape[1]
+    spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1)
+    wide = max(count + spare, num_top)  # more candidates change no number, only the work
+    need = wide + 1
+    if need > blocks or batch == 0:
+        return None
+    temperature, top_k = controls.temperature, controls.top_k
+    t_rows = _host_list(temperature, batch)
+    if isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows):
+        return None  # greedy (or invalid) rows: the general steps handle them
+    chosen = torch.topk(maxima, need, dim=1, sorted=False)
+    # The row maximum from every block (a NaN propagates: topk need not pick a NaN block).
+    floor, peak = chosen.values.amin(-1), maxima.amax(-1)
+    bounds = floor.tolist() + peak.tolist()
+    if not all(-math.inf < f < math.inf for f in bounds):
+        return None  # a NaN, +inf or mostly masked row
+    found = _reaching(logits, chosen.indices, floor, need)
+    if found is None:
+        return None
+    values, ids = found  # (B, need) largest first, ids unclamped
+    best = peak.to(torch.float32)
+    divisor = _divisor(temperature, t_rows)
+
+    def weigh(x: Tensor) -> Tensor:  # the general path's formula, on a few columns
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        torch.sub(x, best[:, None], out=out)
+        if divisor is not None:
+            out.div_(divisor)
+        return threads.exp_(out)  # in pieces: no parallel region (weights.logit_weights_)
+
+    wide_values = values[:, :wide]
+    wide_weights = weigh(wide_values)
+    if isinstance(top_k, Tensor):
+        k_rows = [min(max(k, 1), count) for k in top_k.tolist()]
+    else:
+        k_rows = [count] * batch
+    if all(k == k_rows[0] for k in k_rows):
+        cut_k, x_k = wide_weights[:, k_rows[0] - 1], wide_values[:, k_rows[0] - 1]
+    else:
+        kth = torch.tensor(k_rows, device=logits.device).sub_(1)[:, None]
+        cut_k, x_k = wide_weights.gather(1, kth).squeeze(1), wide_values.gather(1, kth).squeeze(1)
+    # One host read: x_low is x_k itself (the float below it weighs less), and the need-th
+    # largest lies below it, so every entry >= x_low is among the wide candidates; and the
+    # num_top largest are candidates too (strictly above the need-th largest). Also whether
+    # the num_top largest are distinct: then the candidates' order is theirs.
+    below = torch.nextafter(x_k.float(), _NEG_INF.expand(batch))  # float32, as x_low is
+    common = (weigh(below[:, None]).squeeze(1) < cut_k) & (values[:, wide] < x_k)
+    distinct = True
+    if num_top:
+        common &= values[:, num_top - 1] > values[:, wide]
+        steps = values[:, :num_top] > values[:, 1 : num_top + 1]  # none ties the next
+        found_flags = torch.cat((common[:, None], steps), dim=1).all(0).tolist()
+        if not found_flags[0]:
+            return None
+        distinct = all(found_flags[1:])
+    elif not bool(common.all()):
+        return None
+    # A few rows, one draw: the cuts in Python floats (host_floats), bitwise these ops'.
+    few = batch <= host_floats.HOST_ROWS and num_samples == 1
+    if few:
+        scales = host_floats.scales(
+            wide_weights.tolist(), wide_values.tolist(), k_rows, count, controls
+        )
+        scale = torch.tensor(scales, dtype=torch.float32, device=logits.device)[:, None]
+    else:
+        scale = _scale(wide_weights, wide_values, cut_k, x_k, count, controls)
+
+    def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
+        return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
+
+    width = vocab + vocab % 2  # the general path's even-width weight buffer
+
+    def read(columns: Tensor) -> Tensor:  # columns below width (the draw clamps them)
+        if width == vocab:
+            return keep(weigh(logits.gather(1, columns)))
+        w = weigh(logits.gather(1, columns.clamp_max(vocab - 1)))
+        return keep(torch.where(columns < vocab, w, 0.0))  # the buffer's padding weighs 0
+
+    kept = keep(wide_weights.clone())
+    drew = None
+    if few:  # the block sums and the draw in Python floats (host_floats), when they can be
+        drew = _few_rows_draw(kept, ids[:, :wide], blocks, width, source, read)
+    if drew is not None:
+        token_ids, genuine, total, weights = drew
+    else:
+        sums = _block_sums(kept, ids[:, :wide], blocks, width).to(torch.float64)
+        shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
+        drawn: list[Tensor] = []
+        token_ids, genuine, total = inverse_cdf_draw(
+            shape, num_samples, source, sums=sums, read=read, weights_out=drawn
+        )
+        weights = drawn[0] if num_samples == 1 else torch.cat(drawn, dim=1)
+    valid = (total > 0) & (total < math.inf)
+    if not _controls_fine(controls, t_rows, batch):
+        from .weights import controls_in_range
+
+        valid = valid & controls_in_range(controls, batch, logits.device)
+    top_ids = top_weights = None
+    if num_top and distinct:  # the candidates come largest first
+        top_ids, top_weights = ids[:, :num_top], kept[:, :num_top].to(torch.float64)
+    elif num_top:  # equal values among them: ties by the lower index
+        order = _largest_first(values[:, :wide], ids[:, :wide], num_top)
+        top_ids = ids[:, :wide].gather(1, order)
+        top_weights = kept.gather(1, order).to(torch.float64)
+    return HostDrawn(token_ids, genuine, total, valid, read, weights, top_ids, top_weights)
+
+
+def _scale(
+    wide_weights: Tensor, wide_values: Tensor, cut_k: Tensor, x_k: Tensor, count: int,
+    controls: Controls,
+) -> Tensor:  # fmt: skip
+    """``(B, 1)`` float32 ``max(cut_k, cut_p, cut_min, CUT_FLOOR)`` by tensor ops."""
+    batch = wide_weights.shape[0]
+    candidates = wide_weights[:, :count]
+    cut = cut_k
+    cut_min = None
+    if controls.min_p is not None:  # the largest weight is 1
+        cut_min = _rows(controls.min_p, batch, wide_weights.device)
+    if controls.top_p is not None:
+        floor_p = cut_k
+        # Besides the entries above cut_k (all candidates) only ties at it reach x_low = x_k.
+        reaching = (wide_values >= x_k[:, None]).sum(-1, dtype=torch.float64)
+        ties = reaching - (candidates > cut_k[:, None]).sum(-1)
+        if controls.min_p_first:  # top-p's mass: the survivors of min-p and top-k
+            assert cut_min is not None
+            floor_p = torch.maximum(cut_k, cut_min)
+            at_floor = (candidates == floor_p[:, None]).sum(-1, dtype=torch.float64)
+            ties = torch.where(floor_p > cut_k, at_floor, ties)
+        top_p = controls.top_p
+        cut_on = not isinstance(top_p, Tensor) or all(p < 1 for p in top_p.tolist())
+        cut_p = top_p_cut_from_candidates(candidates, floor_p, top_p, ties, cut_on)
+        cut = torch.maximum(cut, cut_p)
+    if cut_min is not None:
+        cut = torch.maximum(cut, cut_min)
+    return cut.clamp_min(CUT_FLOOR[torch.float32])[:, None]
+
+
+def _few_rows_draw(
+    kept: Tensor, ids: Tensor, blocks: int, width: int, source: UniformSource,
+    read: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """One draw for a few rows with the block sums and the inverse CDF in Python floats
+    (:mod:`.host_floats`): ``(token_ids, genuine, total, weights)`` as
+    :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` gives them, or None before any
+    uniform is drawn (a block holds three or more kept weights: torch sums it; or a row keeps
+    nothing: an out-of-range tensor setting, flagged invalid by the tensor path)."""
+    batch = kept.shape[0]
+    device = kept.device
+    rows = host_floats.block_values(kept.tolist(), ids.tolist())
+    if rows is None or not all(rows):  # a crowded block, or nothing kept (a bad setting)
+        return None
+    # The float64 table of block sums, for its total: torch's sum over the row (its order).
+    table = torch.zeros(batch * blocks, dtype=torch.float64, device=device)
+    places = [b * blocks + block for b, row in enumerate(rows) for block, _ in row]
+    table.index_put_((torch.tensor(places, device=device),),
+                     torch.tensor([x for row in rows for _, x in row], dtype=torch.float64,
+                                  device=device))  # fmt: skip
+    total = table.view(batch, blocks).sum(-1)
+    uniforms = (
+        source.host_row_uniforms(1)
+        if hasattr(source, "host_row_uniforms")
+        else source.row_uniforms(1).tolist()
+    )
+    offsets = _offsets(device)
+
+    def read_blocks(starts: list[int]) -> list[list[float]]:
+        columns = (torch.tensor(starts, device=device)[:, None] + offsets).clamp_max_(width - 1)
+        return read(columns).to(torch.float64).tolist()
+
+    tokens, weights = host_floats.draw_one(rows, [u[0] for u in uniforms], read_blocks, width)
+    token_ids = torch.tensor(tokens, device=device)[:, None]
+    genuine = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    drawn = torch.tensor(weights, dtype=torch.float64, device=device)[:, None]
+    return token_ids, genuine, total, drawn
+
+
+_NEG_INF = torch.full((), -math.inf, dtype=torch.float32)
+
+
+def _divisor(temperature: object, t_rows: list) -> Tensor | float | None:
+    """:func:`~fastsample.ops.weights.temperature_divisor` for float32 weights, in one op or
+    none when every row's value is usable as it is (checked on the host)."""
+    if not isinstance(temperature, Tensor):
+        if temperature is None or temperature == 0.0:
+            return None
+        return max(float(temperature), _TINY)  # type: ignore[arg-type]
+    if all(_TINY <= t < math.inf for t in t_rows):
+        divisor = temperature if temperature.dtype == torch.float32 else temperature.float()
+        return divisor[:, None]
+    from .weights import temperature_divisor
+
+    return temperature_divisor(temperature, torch.float32)
+
+
+def _rows(value: float | Tensor, batch: int, device: torch.device) -> Tensor:
+    """A control as ``(B,)`` float32 (through float64, as :func:`~fastsample.ops.cuts.as_rows`
+    and the general path round it)."""
+    if isinstance(value, Tensor):
+        return value.to(torch.float64).to(torch.float32)
+    return torch.full((batch,), value, dtype=torch.float64, device=device).to(torch.float32)
+
+
+def _controls_fine(controls: Controls, t_rows: list, batch: int) -> bool:
+    """Whether every tensor control holds a legal value (host lists; then the per-row range
+    check of :func:`~fastsample.ops.weights.controls_in_range` is all True)."""
+    k, p, mp = controls.top_k, controls.top_p, controls.min_p
+    checks = (
+        (controls.temperature, lambda t: 0 <= t < math.inf, t_rows),
+        (k, lambda v: v >= 0, None),
+        (p, lambda v: 0 < v <= 1, None),
+        (mp, lambda v: 0 <= v <= 1, None),
+    )
+    for value, ok, rows in checks:
+        if isinstance(value, Tensor) and not all(map(ok, rows or value.tolist())):
+            return False
+    return True
+
+
+def _reaching(
+    logits: Tensor, blocks: Tensor, floor: Tensor, need: int
+) -> tuple[Tensor, Tensor] | None:
+    """The ``need`` largest entries of each row (values largest first, unclamped ids), from
+    the entries of ``blocks`` (``(B, need)``) that reach ``floor``; None when a row has too
+    many such entries (ties) for a short table.
+
+    The blocks are read in pieces of fewer than :data:`GRAIN` entries and the hits go through
+    ``gather``/``scatter`` on flat views (advanced indexing opens a parallel region from 3,000
+    elements), so no op here opens one."""
+    batch = logits.shape[0]
+    pair, col, value = _scan(logits, blocks, floor, need)
+    if batch == 1:  # one row: no table, the hits themselves
+        if value.shape[0] > _REACHING_MAX * need:
+            return None
+        best = torch.topk(value, need)
+        ids = blocks.view(-1).gather(0, pair).mul_(BLOCK).add_(col).gather(0, best.indices)
+        return best.values[None], ids[None]
+    row = pair // need
+    per_row = torch.bincount(row, minlength=batch)
+    width = max(per_row.tolist())
+    if width > _REACHING_MAX * need:
+        return None
+    start = per_row.cumsum(0).sub_(per_row)
+    place = row.mul(width).add_(torch.arange(row.shape[0], device=row.device)).sub_(
+        start.gather(0, row)
+    )  # row * width + the hit's slot in its row
+    table = torch.full((batch * width,), -math.inf, dtype=logits.dtype, device=logits.device)
+    table.scatter_(0, place, value)
+    where = torch.empty(batch * width, dtype=torch.int64, device=logits.device)
+    where.scatter_(0, place, blocks.view(-1).gather(0, pair).mul_(BLOCK).add_(col))
+    best = torch.topk(table.view(batch, width), need, dim=1)
+    return best.values, where.view(batch, width).gather(1, best.indices)
+
+
+def _scan(
+    logits: Tensor, blocks: Tensor, floor: Tensor, need: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pair, column, value)`` of the entries of the candidate blocks that reach ``floor``:
+    pair ``j`` is block ``blocks[j // need, j % need]``, column the entry's place in it.
+    Blocks go in pieces of fewer than :data:`GRAIN` entries (no parallel region)."""
+    batch, vocab = logits.shape
+    pairs, cols, values = [], [], []
+    if vocab % BLOCK == 0 and logits.is_contiguous():  # whole blocks: a (B * n, BLOCK) view
+        return _scan_whole_blocks(logits, blocks, floor, need)
+    else:  # a short last block or strided rows: per-entry gathers, whole rows per piece
+        per_row = need * BLOCK
+        rows_per = max(1, (GRAIN - 1) // per_row)
+        spans = max(1, -(-per_row // (GRAIN - 1)))  # pieces of one row's blocks
+        span = -(-need // spans)
+        offsets = _offsets(logits.device)
+        for first in range(0, batch, rows_per):
+            last = min(first + rows_per, batch)
+            for lo in range(0, need, span):
+                chosen = blocks[first:last, lo : lo + span]
+                width = chosen.shape[1]
+                columns = (chosen[:, :, None] * BLOCK + offsets).view(last - first, -1)
+                content = logits[first:last].gather(1, columns.clamp_max(vocab - 1))
+                if vocab % BLOCK:
+                    content.masked_fill_(columns >= vocab, -math.inf)
+                floors = floor[first:last, None].expand(-1, width).reshape(-1)
+                pair, col, value = _hits(content.view(-1, BLOCK), floors)
+                # block i of this piece is pair (first + i // width) * need + lo + i % width
+                pairs.append((pair // width + first).mul_(need).add_(pair % width + lo))
+                cols.append(col)
+                values.append(value)
+    if len(pairs) == 1:
+        return pairs[0], cols[0], values[0]
+    return torch.cat(pairs), torch.cat(cols), torch.cat(values)
+
+
+def _scan_whole_blocks(
+    logits: Tensor, blocks: Tensor, floor: Tensor, need: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_scan` for contiguous rows of whole blocks, in two sweeps: the maxima of the
+    candidate blocks' groups of 32 (a block copy and an ``amax`` per piece), then, over all
+    pieces at once, the groups reaching the floor and their entries (a few per candidate)."""
+    batch, vocab = logits.shape
+    full = vocab // BLOCK
+    per_block = BLOCK // _GROUP
+    pairs = batch * need
+    if batch == 1:  # the candidate blocks as rows of the view
+        rows = blocks.view(-1)
+    else:
+        rows = blocks.add(torch.arange(0, batch * full, full, device=logits.device)[:, None])
+        rows = rows.view(-1)
+    source = logits.view(batch * full, BLOCK)
+    maxima = torch.empty(pairs * per_block, dtype=logits.dtype, device=logits.device)
+    step = (GRAIN - 1) // BLOCK
+    for start in range(0, pairs, step):
+        content = source.index_select(0, rows[start : start + step])
+        piece = maxima[start * per_block : (start + step) * per_block]
+        torch.amax(content.view(-1, _GROUP), -1, out=piece)
+    groups = source.view(-1, _GROUP)
+    per_row = need * per_block  # group g belongs to row g // per_row
+    rows_per = max(1, (GRAIN - 1) // per_row)
+    out_pairs, out_cols, out_values = [], [], []
+    for first_row in range(0, batch, rows_per):
+        piece = maxima[first_row * per_row : (first_row + rows_per) * per_row]
+        reached = piece.view(-1, per_row) >= floor[first_row : first_row + rows_per, None]
+        group = reached.view(-1).nonzero().squeeze(1)
+        if first_row:
+            group = group.add_(first_row * per_row)
+        for first in range(0, group.shape[0], step * per_block):  # picked entries < GRAIN
+            chosen = group[first : first + step * per_block]
+            pair = chosen // per_block
+            where = rows.gather(0, pair).mul_(per_block).add_(chosen % per_block)
+            picked = groups.index_select(0, where)
+            floor_of = floor.gather(0, chosen // per_row) if batch > 1 else floor
+            which, place = (picked >= floor_of[:, None]).nonzero(as_tuple=True)
+            out_values.append(picked.view(-1).gather(0, which * _GROUP + place))
+            out_pairs.append(pair.gather(0, which))
+            out_cols.append((chosen.gather(0, which) % per_block).mul_(_GROUP).add_(place))
+    if len(out_pairs) == 1:
+        return out_pairs[0], out_cols[0], out_values[0]
+    return torch.cat(out_pairs), torch.cat(out_cols), torch.cat(out_values)
+
+
+_GROUP = 32  # entries per group of the two-level scan
+
+
+def _hits(content: Tensor, floors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(block, column, value)`` of the entries of ``content`` (``(c, BLOCK)``) reaching their
+    block's floor (``floors``, ``(c,)``): the groups of 32 whose maximum reaches it, then their
+    entries (a compare and ``nonzero`` over a few groups, not over every entry: ~4x fewer
+    microseconds a piece). Rows with NaN never get here (:func:`draw` checks)."""
+    blocks = content.shape[0]
+    per_block = BLOCK // _GROUP
+    groups = content.view(blocks * per_block, _GROUP)
+    reach = (groups.amax(-1).view(blocks, per_block) >= floors[:, None]).view(-1)
+    group = reach.nonzero().squeeze(1)
+    picked = groups.index_select(0, group)
+    floor_of = floors.gather(0, group // per_block)
+    which, place = (picked >= floor_of[:, None]).nonzero(as_tuple=True)
+    value = picked.view(-1).gather(0, which * _GROUP + place)
+    group = group.gather(0, which)
+    return group // per_block, (group % per_block).mul_(_GROUP).add_(place), value
+
+
+_OFFSETS: dict[torch.device, Tensor] = {}
+
+
+def _offsets(device: torch.device) -> Tensor:
+    cached = _OFFSETS.get(device)
+    if cached is None:
+        with torch.inference_mode(False):
+            cached = _OFFSETS[device] = torch.arange(BLOCK, device=device)
+    return cached
+
+
+def _block_sums(kept: Tensor, ids: Tensor, blocks: int, width: int) -> Tensor:
+    """``(B, blocks)`` float32 block sums of the candidates' kept weights (``kept``, ``ids``
+    ``(B, c)``; every other entry is cut): bitwise the general path's block sums.
+
+    A sum of at most two nonzero weights (among zeros) rounds once whatever the order, so
+    most blocks are the candidates' weights added into a zero table. A block holding three
+    or more is summed as the general path sums it: its ``BLOCK`` weights laid out in place,
+    zeros elsewhere, one ``sum`` over the tile (a short last block over its own entries)."""
+    batch = kept.shape[0]
+    block_ids = ids // BLOCK
+    table = torch.zeros(batch, blocks, dtype=torch.float32, device=kept.device)
+    table.scatter_add_(1, block_ids, kept)
+    present = torch.zeros_like(table).scatter_add_(1, block_ids, (kept > 0).to(torch.float32))
+    crowded = present >= 3
+    rows, crowded_blocks = crowded.nonzero(as_tuple=True)
+    if rows.shape[0] == 0:
+        return table
+    tile_of = torch.full((batch, blocks), -1, dtype=torch.int64, device=kept.device)
+    tile_of[rows, crowded_blocks] = torch.arange(rows.shape[0], device=kept.device)
+    tile = tile_of.gather(1, block_ids)
+    members = (tile >= 0) & (kept > 0)
+    tiles = torch.zeros(rows.shape[0], BLOCK, dtype=torch.float32, device=kept.device)
+    tiles[tile[members], ids[members] % BLOCK] = kept[members]
+    sums = tiles.sum(-1)
+    last, tail = divmod(width, BLOCK)
+    if tail:
+        sums = torch.where(crowded_blocks == last, tiles[:, :tail].sum(-1), sums)
+    table[rows, crowded_blocks] = sums
+    return table

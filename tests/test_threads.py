@@ -1,0 +1,226 @@
+"""A call leaves the caller's threading alone (issue 27, item 2; fastsample.ops.threads).
+
+The library never calls ``torch.set_num_threads`` (patched here to raise), and a thread
+polling ``torch.get_num_threads()`` while calls run never sees the count change. The serial
+mode (``FASTSAMPLE_CPU_SERIAL=1``) gives bitwise the default mode's results, and its passes
+are made of ops under torch's parallel grain.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastsample as fs
+from fastsample.ops import select, threads
+
+GRAIN_TEST = 4 * threads.GRAIN
+
+
+def _calls():
+    gen = torch.Generator().manual_seed(0)
+    batch, vocab = 4, 40_000
+    x = torch.randn(batch, vocab, generator=gen) * 3
+    probs = torch.softmax(x, -1)
+    t = torch.tensor([0.7, 1.0, 0.0, 1.3])
+    k = torch.tensor([50, 20, 5, 100])
+    p = torch.tensor([0.9, 0.95, 1.0, 0.8])
+    seeds = torch.arange(batch) + 11
+    stats = fs.TokenStats.from_prompts(
+        [[1, 2, 3], [4, 5], [], [7]], vocab, outputs=[[9], [], [8, 8], []]
+    )
+    penalties = dict(
+        repetition_penalty=1.1, frequency_penalty=torch.full((batch,), 0.2), presence_penalty=0.1
+    )
+    step_params = {
+        mode: fs.StepParams(
+            batch, vocab, temperature=t, top_k=k, top_p=p, seed=seeds, top_logprobs=5,
+            logprobs_mode=mode, token_ranks=True, **penalties,
+        )
+        for mode in ("processed", "raw")
+    }
+    drafts = torch.randint(0, vocab, (batch, 2), generator=gen)
+    target = torch.softmax(torch.randn(batch, 3, vocab, generator=gen), -1)
+    return {
+        "tensor controls": lambda: fs.sample(x, temperature=t, top_k=k, top_p=p, seed=seeds),
+        "numbers": lambda: fs.sample(x, temperature=0.7, top_k=50, top_p=0.9, top_logprobs=3),
+        "top-p alone": lambda: fs.sample(x, top_p=0.9, seed=3),
+        "greedy": lambda: fs.sample(x, temperature=0.0),
+        "step processed": lambda: fs.sample_step(
+            x, params=step_params["processed"], state=stats, step=2
+        ),
+        "step raw": lambda: fs.sample_step(x, params=step_params["raw"], state=stats, step=2),
+        "probs": lambda: fs.sample_from_probs(probs, seed=seeds),
+        "race": lambda: fs.fast_sample(probs[:, :2000]),
+        "process": lambda: fs.process(x, top_k=k, top_p=0.9),
+        "verify": lambda: fs.verify_chain(target, drafts, seed=seeds),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("serial", ["0", "1"])
+def test_a_call_never_changes_the_thread_count(monkeypatch, serial):
+    monkeypatch.setenv(threads.SERIAL_ENV, serial)
+    calls = _calls()
+    for call in calls.values():  # first calls (lazy setup) before the watch begins
+        call()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the library called torch.set_num_threads")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    before = torch.get_num_threads()
+    seen: set[int] = set()
+    started, done = threading.Event(), threading.Event()
+
+    def watch():  # a thread started before the calls, reading the count throughout
+        while not done.is_set():
+            seen.add(torch.get_num_threads())
+            started.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    started.wait()
+    try:
+        for _ in range(3):
+            for call in calls.values():
+                call()
+    finally:
+        done.set()
+        watcher.join()
+    assert seen == {before} and torch.get_num_threads() == before
+
+
+def test_serial_mode_gives_the_same_results(monkeypatch):
+    results = {}
+    for serial in ("0", "1"):
+        monkeypatch.setenv(threads.SERIAL_ENV, serial)
+        results[serial] = {}
+        for name, call in _calls().items():
+            torch.manual_seed(1)  # the unseeded calls draw from the default generator
+            results[serial][name] = call()
+    for name, out in results["0"].items():
+        other = results["1"][name]
+        if isinstance(out, torch.Tensor):
+            assert torch.equal(out, other), name
+            continue
+        for a, b in zip(out, other, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
+class _Reductions(TorchDispatchMode):
+    """Records the element count of the largest tensor each reduction reads or writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith(("amax", "sum")):
+            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            self.sizes.append(max(t.numel() for t in tensors))
+        return out
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+def test_serial_block_maxima_open_no_parallel_region(monkeypatch, batch):
+    """In the serial mode the block-maxima pass reduces pieces under the grain, and equals the
+    one-op pass (a short last block and strided rows included)."""
+    x = torch.randn(batch, 3 * 25_600 + 77)
+    for values in (x, x[:, :76_800], x[:, 5:]):
+        monkeypatch.setenv(threads.SERIAL_ENV, "0")
+        whole = select.block_maxima(values)
+        monkeypatch.setenv(threads.SERIAL_ENV, "1")
+        with _Reductions() as log:
+            pieces = select.block_maxima(values)
+        assert log.sizes and max(log.sizes) < threads.GRAIN
+        assert torch.equal(pieces, whole)
+
+
+def _sleeps() -> int:
+    """Voluntary context switches of this process's threads other than the calling one
+    (torch's OpenMP workers): a worker blocks again after each parallel region that woke it
+    (after spinning a while); being preempted while it spins is not counted."""
+    me = threading.get_native_id()
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        if int(task) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def _worker_wakeups() -> int:
+    """:func:`_sleeps` once the workers have settled (the same count twice, 0.1 s apart)."""
+    count = _sleeps()
+    for _ in range(30):
+        time.sleep(0.1)
+        again = _sleeps()
+        if again == count:
+            return count
+        count = again
+    return count
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+@pytest.mark.parametrize(("serial", "batch"), [("1", 64), ("", 1), ("", 8)])
+def test_calls_open_no_parallel_region(monkeypatch, serial, batch):
+    """No op of these calls wakes torch's worker threads: in the serial mode at B=64, and by
+    default at B <= 8 (passes under PARALLEL_PASS_ELEMENTS run in pieces). The check: the
+    workers' context switches do not move during the calls (each region wakes them)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs on one thread here: no region can open")
+    monkeypatch.setenv(threads.SERIAL_ENV, serial)
+    gen = torch.Generator().manual_seed(batch)
+    vocab = 128_256
+    x = torch.randn(batch, vocab, generator=gen) * 3
+    rows = torch.full((batch,), 1.0)
+    stats = fs.TokenStats.from_prompts(
+        torch.randint(0, vocab, (batch, 512), generator=gen), vocab,
+        outputs=torch.randint(0, vocab, (batch, 128), generator=gen),
+    )  # fmt: skip
+    calls = [
+        lambda: fs.sample(x, temperature=rows * 0.7, top_k=torch.full((batch,), 50),
+                          top_p=rows * 0.9, seed=torch.arange(batch), top_logprobs=5),
+    ]  # fmt: skip
+    for mode in ("processed", "raw"):
+        params = fs.StepParams(
+            batch, vocab, temperature=rows * 0.7, top_k=torch.full((batch,), 50),
+            top_p=rows * 0.9, seed=torch.arange(batch), repetition_penalty=rows * 1.1,
+            frequency_penalty=rows * 0.2, presence_penalty=rows * 0.1, top_logprobs=5,
+            logprobs_mode=mode, token_ranks=True,
+        )  # fmt: skip
+        calls.append(lambda params=params: fs.sample_step(x, params=params, state=stats, step=1))
+    for call in calls:
+        call()  # lazy set-up first
+    torch.ones(GRAIN_TEST).sum()  # a region, then let the workers go to sleep
+    before = _worker_wakeups()
+    for call in calls:
+        call()
+    assert _worker_wakeups() == before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_the_wakeup_count_sees_a_region(monkeypatch):
+    """Negative control of the test above: the default mode's B=64 pass over the logits
+    (one parallel region) moves the count."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs on one thread here: no region can open")
+    monkeypatch.setenv(threads.SERIAL_ENV, "0")
+    x = torch.randn(64, 128_256)
+    call = lambda: fs.sample(x, top_k=50, temperature=0.7)  # noqa: E731
+    call()
+    before = _worker_wakeups()
+    call()
+    assert _worker_wakeups() > before
