@@ -9,8 +9,9 @@ are made of ops under torch's parallel grain.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -142,85 +143,110 @@ def test_serial_block_maxima_open_no_parallel_region(monkeypatch, batch):
         assert torch.equal(pieces, whole)
 
 
-def _sleeps() -> int:
-    """Voluntary context switches of this process's threads other than the calling one
-    (torch's OpenMP workers): a worker blocks again after each parallel region that woke it
-    (after spinning a while); being preempted while it spins is not counted."""
+# The wake-up check runs in a fresh interpreter: in the test process other threads (torch.compile's
+# workers, earlier tests' pools) switch context on their own and would be counted as workers.
+_WAKEUPS = r"""
+import os, sys, threading, time
+import torch
+import fastsample as fs
+
+GRAIN_TEST = int(sys.argv[1])
+
+
+def sleeps():
+    # Voluntary context switches of the threads other than this one (torch's OpenMP
+    # workers): a worker blocks again after each region that woke it, after spinning a while;
+    # being preempted while it spins is not counted.
     me = threading.get_native_id()
     total = 0
     for task in os.listdir("/proc/self/task"):
-        if int(task) == me:
-            continue
-        try:
-            with open(f"/proc/self/task/{task}/status") as status:
-                for line in status:
-                    if line.startswith("voluntary_ctxt_switches"):
-                        total += int(line.split()[1])
-        except FileNotFoundError:  # a thread that ended meanwhile
-            pass
+        if int(task) != me:
+            try:
+                with open(f"/proc/self/task/{task}/status") as status:
+                    total += sum(int(line.split()[1]) for line in status
+                                 if line.startswith("voluntary_ctxt_switches"))
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
     return total
 
 
-def _worker_wakeups() -> int:
-    """:func:`_sleeps` once the workers have settled (the same count twice, 0.1 s apart)."""
-    count = _sleeps()
+def settled():
+    # sleeps() once the workers have settled (the same count twice, 0.1 s apart)
+    count = sleeps()
     for _ in range(30):
         time.sleep(0.1)
-        again = _sleeps()
+        again = sleeps()
         if again == count:
-            return count
+            break
         count = again
     return count
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
-@pytest.mark.parametrize(("serial", "batch"), [("1", 64), ("", 1), ("", 8)])
-def test_calls_open_no_parallel_region(monkeypatch, serial, batch):
-    """No op of these calls wakes torch's worker threads: in the serial mode at B=64, and by
-    default at B <= 8 (passes under PARALLEL_PASS_ELEMENTS run in pieces). The check: the
-    workers' context switches do not move during the calls (each region wakes them)."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("torch runs on one thread here: no region can open")
-    monkeypatch.setenv(threads.SERIAL_ENV, serial)
-    gen = torch.Generator().manual_seed(batch)
-    vocab = 128_256
-    x = torch.randn(batch, vocab, generator=gen) * 3
-    rows = torch.full((batch,), 1.0)
+batch, workload = int(sys.argv[2]), sys.argv[3]
+gen = torch.Generator().manual_seed(batch)
+vocab = 128_256
+x = torch.randn(batch, vocab, generator=gen) * 3
+rows = torch.full((batch,), 1.0)
+if workload == "engine":
     stats = fs.TokenStats.from_prompts(
         torch.randint(0, vocab, (batch, 512), generator=gen), vocab,
         outputs=torch.randint(0, vocab, (batch, 128), generator=gen),
-    )  # fmt: skip
+    )
     calls = [
         lambda: fs.sample(x, temperature=rows * 0.7, top_k=torch.full((batch,), 50),
                           top_p=rows * 0.9, seed=torch.arange(batch), top_logprobs=5),
-    ]  # fmt: skip
+    ]
     for mode in ("processed", "raw"):
         params = fs.StepParams(
             batch, vocab, temperature=rows * 0.7, top_k=torch.full((batch,), 50),
             top_p=rows * 0.9, seed=torch.arange(batch), repetition_penalty=rows * 1.1,
             frequency_penalty=rows * 0.2, presence_penalty=rows * 0.1, top_logprobs=5,
             logprobs_mode=mode, token_ranks=True,
-        )  # fmt: skip
+        )
         calls.append(lambda params=params: fs.sample_step(x, params=params, state=stats, step=1))
-    for call in calls:
-        call()  # lazy set-up first
-    torch.ones(GRAIN_TEST).sum()  # a region, then let the workers go to sleep
-    before = _worker_wakeups()
-    for call in calls:
-        call()
-    assert _worker_wakeups() == before
+else:  # the negative control: the default mode's one-region pass over the logits
+    calls = [lambda: fs.sample(x, top_k=50, temperature=0.7)]
+for call in calls:
+    call()  # lazy set-up first
+torch.ones(GRAIN_TEST).sum()  # a region, then let the workers go to sleep
+before = settled()
+for call in calls:
+    call()
+print(before, settled())
+"""
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
-def test_the_wakeup_count_sees_a_region(monkeypatch):
+def _wakeups(serial: str, batch: int, workload: str) -> tuple[int, int]:
+    """The workers' settled context-switch counts before and after the calls, in a fresh
+    interpreter on two torch threads."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", **{threads.SERIAL_ENV: serial})
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", _WAKEUPS, str(GRAIN_TEST), str(batch), workload],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = map(int, done.stdout.split()[-2:])
+    return before, after
+
+
+_LINUX = os.path.exists("/proc/self/task") and (os.cpu_count() or 1) >= 2
+
+
+@pytest.mark.skipif(not _LINUX, reason="needs Linux /proc and two CPUs")
+@pytest.mark.parametrize(("serial", "batch"), [("1", 64), ("", 1), ("", 8)])
+def test_calls_open_no_parallel_region(serial, batch):
+    """No op of these calls wakes torch's worker threads: in the serial mode at B=64, and by
+    default at B <= 8 (passes under PARALLEL_PASS_ELEMENTS run in pieces). The check: the
+    workers' context switches do not move during the calls (each region wakes them)."""
+    before, after = _wakeups(serial, batch, "engine")
+    assert after == before
+
+
+@pytest.mark.skipif(not _LINUX, reason="needs Linux /proc and two CPUs")
+def test_the_wakeup_count_sees_a_region():
     """Negative control of the test above: the default mode's B=64 pass over the logits
     (one parallel region) moves the count."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("torch runs on one thread here: no region can open")
-    monkeypatch.setenv(threads.SERIAL_ENV, "0")
-    x = torch.randn(64, 128_256)
-    call = lambda: fs.sample(x, top_k=50, temperature=0.7)  # noqa: E731
-    call()
-    before = _worker_wakeups()
-    call()
-    assert _worker_wakeups() > before
+    before, after = _wakeups("0", 64, "control")
+    assert after > before
