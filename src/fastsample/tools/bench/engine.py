@@ -146,11 +146,13 @@ def measure_step(setting: str, batch: int, vocab: int, timing: Timing) -> StepRe
         if plan.stats is not None:
             plan.stats.update(out.token_ids)
 
-    times = time_fresh({
-        "vllm": lambda x: theirs(x, theirs_md),
-        "plugin": lambda x: ours(x, ours_md),
-        "sample_step": direct,
-    }, base, timing)  # fmt: skip
+    # Under inference mode, as vLLM's runner calls its sampler (``sample_tokens``).
+    with torch.inference_mode():
+        times = time_fresh({
+            "vllm": lambda x: theirs(x, theirs_md),
+            "plugin": lambda x: ours(x, ours_md),
+            "sample_step": direct,
+        }, base, timing)  # fmt: skip
     builds = []
     for _ in range(3):
         start = time.perf_counter()
