@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import host_floats, threads
+from . import host_floats, small_top_k, threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw
 from .noise import UniformSource
@@ -457,30 +457,5 @@ def _offsets(device: torch.device) -> Tensor:
 
 def _block_sums(kept: Tensor, ids: Tensor, blocks: int, width: int) -> Tensor:
     """``(B, blocks)`` float32 block sums of the candidates' kept weights (``kept``, ``ids``
-    ``(B, c)``; every other entry is cut): bitwise the general path's block sums.
-
-    A sum of at most two nonzero weights (among zeros) rounds once whatever the order, so
-    most blocks are the candidates' weights added into a zero table. A block holding three
-    or more is summed as the general path sums it: its ``BLOCK`` weights laid out in place,
-    zeros elsewhere, one ``sum`` over the tile (a short last block over its own entries)."""
-    batch = kept.shape[0]
-    block_ids = ids // BLOCK
-    table = torch.zeros(batch, blocks, dtype=torch.float32, device=kept.device)
-    table.scatter_add_(1, block_ids, kept)
-    present = torch.zeros_like(table).scatter_add_(1, block_ids, (kept > 0).to(torch.float32))
-    crowded = present >= 3
-    rows, crowded_blocks = crowded.nonzero(as_tuple=True)
-    if rows.shape[0] == 0:
-        return table
-    tile_of = torch.full((batch, blocks), -1, dtype=torch.int64, device=kept.device)
-    tile_of[rows, crowded_blocks] = torch.arange(rows.shape[0], device=kept.device)
-    tile = tile_of.gather(1, block_ids)
-    members = (tile >= 0) & (kept > 0)
-    tiles = torch.zeros(rows.shape[0], BLOCK, dtype=torch.float32, device=kept.device)
-    tiles[tile[members], ids[members] % BLOCK] = kept[members]
-    sums = tiles.sum(-1)
-    last, tail = divmod(width, BLOCK)
-    if tail:
-        sums = torch.where(crowded_blocks == last, tiles[:, :tail].sum(-1), sums)
-    table[rows, crowded_blocks] = sums
-    return table
+    ``(B, c)``; every other entry is cut): bitwise the general path's block sums."""
+    return small_top_k.kept_block_sums(kept, ids // BLOCK, ids % BLOCK, blocks, width)

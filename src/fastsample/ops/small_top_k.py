@@ -357,11 +357,22 @@ def _candidate_block_sums(found: Candidates, kept: Tensor, blocks: int, width: i
     or more (a few per batch at k=50, V=128k) is summed as the general path sums it: its
     ``BLOCK`` weights laid out in place, zeros elsewhere, one ``sum`` over the tile.
     """
-    batch, count = kept.shape
+    count = kept.shape[1]
     positions = found.positions[:, :count]
     # Position p of the content is entry p % BLOCK of candidate block p // BLOCK (the real
     # block: unlike found.ids, never clamped, so padding past the vocabulary stays apart).
     block_ids = found.blocks.gather(1, positions // BLOCK)
+    return kept_block_sums(kept, block_ids, positions % BLOCK, blocks, width)
+
+
+def kept_block_sums(
+    kept: Tensor, block_ids: Tensor, columns: Tensor, blocks: int, width: int
+) -> Tensor:
+    """``(B, blocks)`` float32 block sums of ``kept`` (``(B, c)`` kept weights of the entries
+    at ``columns`` of blocks ``block_ids``; every other entry weighs 0), bitwise the general
+    path's: at most two nonzero weights into a zero table (one rounding in any order), a
+    block of three or more laid out in a ``BLOCK`` tile and summed as the general path does."""
+    batch = kept.shape[0]
     zeros = torch.zeros(batch, blocks, dtype=torch.float32, device=kept.device)
     table = zeros.clone().scatter_add_(1, block_ids, kept)
     present = (kept > 0).to(torch.float32)
@@ -374,7 +385,7 @@ def _candidate_block_sums(found: Candidates, kept: Tensor, blocks: int, width: i
     tile = tile_of.gather(1, block_ids)
     members = (tile >= 0) & (kept > 0)
     tiles = torch.zeros(rows.shape[0], BLOCK, dtype=torch.float32, device=kept.device)
-    tiles[tile[members], positions[members] % BLOCK] = kept[members]
+    tiles[tile[members], columns[members]] = kept[members]
     table[rows, crowded_blocks] = _tile_sums(tiles, crowded_blocks, width)
     return table
 
