@@ -14,8 +14,9 @@ Python floats do the scalar work with fewer microseconds, and bitwise the same n
 * the weights themselves (``exp``), the cut division and the threshold stay torch ops.
 
 :func:`scales` gives each row's cut (as :func:`fastsample.ops.cuts.top_p_cut_from_candidates`
-and the maxima of the cuts), :func:`block_values` the nonzero block sums, :func:`draw_one` one
-draw (as :func:`fastsample.ops.inverse_cdf.inverse_cdf_draw`).
+and the maxima of the cuts), :func:`block_values` the blocks holding kept weights (their sums
+and entries), :func:`draw_one` one draw (as :func:`fastsample.ops.inverse_cdf.inverse_cdf_draw`,
+from those blocks alone: no entry of the logits is read again).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from __future__ import annotations
 import math
 import struct
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -101,59 +103,65 @@ def _top_p_cut(candidates: Sequence[float], floor: float, p: float, ties: float,
     return floor
 
 
+class Block(NamedTuple):
+    """A block holding kept weights: its index, its float32 sum, its nonzero entries
+    ``(column in the block, weight)`` in column order (one or two)."""
+
+    index: int
+    total: float
+    entries: list[tuple[int, float]]
+
+
 def block_values(
     kept: Sequence[Sequence[float]], ids: Sequence[Sequence[int]]
-) -> list[list[tuple[int, float]]] | None:
-    """Per row, the nonzero block sums of the kept weights (``(block, sum)``, blocks in
-    order), or None if a block holds three or more (its sum is torch's)."""
+) -> list[list[Block]] | None:
+    """Per row, the blocks holding kept weights, in block order, or None if a block holds
+    three or more (its sum is torch's). ``kept``, ``ids``: the candidates' kept weights and
+    token ids; no other entry is kept (the caller checked)."""
     out = []
     for weights, columns in zip(kept, ids, strict=True):
-        per_block: dict[int, float] = {}
-        seen_twice = set()
+        per_block: dict[int, list[tuple[int, float]]] = {}
         for weight, column in zip(weights, columns, strict=True):
             if weight > 0:
-                block = column // BLOCK
-                if block not in per_block:
-                    per_block[block] = weight
-                elif block in seen_twice:
+                entries = per_block.setdefault(column // BLOCK, [])
+                if len(entries) == 2:
                     return None
-                else:
-                    seen_twice.add(block)
-                    per_block[block] = _f32(per_block[block] + weight)
-        out.append(sorted(per_block.items()))
+                entries.append((column % BLOCK, weight))
+        row = []
+        for block, entries in sorted(per_block.items()):
+            entries.sort()
+            total = entries[0][1] if len(entries) == 1 else _f32(entries[0][1] + entries[1][1])
+            row.append(Block(block, total, entries))
+        out.append(row)
     return out
 
 
 def draw_one(
-    blocks: Sequence[Sequence[tuple[int, float]]],
-    uniforms: Sequence[float],
-    read_blocks: Callable[[list[int]], list[list[float]]],
-    width: int,
+    blocks: Sequence[Sequence[Block]], uniforms: Sequence[float], width: int
 ) -> tuple[list[int], list[float]]:
-    """One draw per row by the blocked inverse CDF over the nonzero blocks (every row has
-    one): the token ids (below ``width``) and their weights (float64), as
-    :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` draws them. ``read_blocks(starts)``
-    gives each row's ``BLOCK`` weights from column ``starts[b]`` as float64 (columns past
-    ``width - 1`` read column ``width - 1``)."""
-    starts, fractions = [], []
+    """One draw per row by the blocked inverse CDF over the blocks holding kept weights
+    (every row has one): the token ids (below ``width``) and their weights (float64), as
+    :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` draws them.
+
+    Inside the chosen block the float64 prefix over its ``BLOCK`` weights is zero before
+    its first kept entry and steps at each of its (one or two) entries, so the first prefix
+    above the target is at one of them: no need to read the block's other entries."""
+    tokens, weights = [], []
     for row, u in zip(blocks, uniforms, strict=True):
         # The float64 prefix over the blocks, left to right (zero blocks add nothing).
-        prefix = list(accumulate(value for _, value in row))
+        prefix = list(accumulate(block.total for block in row))
         running = prefix[-1]
         target = min(u * running, math.nextafter(running, 0.0))
         chosen = bisect_right(prefix, target)  # the first prefix above the target
-        block, block_sum = row[chosen]
-        fraction = (target - (prefix[chosen] - block_sum)) / block_sum
-        starts.append(block * BLOCK)
-        fractions.append(min(max(fraction, 0.0), 1.0))
-    tokens, weights = [], []
-    for start, fraction, values in zip(starts, fractions, read_blocks(starts), strict=True):
-        if start + BLOCK > width and width > BLOCK:  # a short last block: no clamped repeats
-            values = [x if start + i < width else 0.0 for i, x in enumerate(values)]
-        within = list(accumulate(values))  # left to right, as torch's cumsum
+        block = row[chosen]
+        fraction = (target - (prefix[chosen] - block.total)) / block.total
+        fraction = min(max(fraction, 0.0), 1.0)
+        # The prefix inside the block, left to right as torch's cumsum (its zeros add 0).
+        within = list(accumulate(weight for _, weight in block.entries))
         running = within[-1]
         target = min(fraction * running, math.nextafter(running, 0.0))
-        inner = min(bisect_right(within, target), len(values) - 1)
-        tokens.append(min(start + inner, width - 1))
-        weights.append(values[inner])
+        # target >= 0, so the zeros before the first entry never lie above it.
+        column, weight = block.entries[min(bisect_right(within, target), len(within) - 1)]
+        tokens.append(min(block.index * BLOCK + column, width - 1))
+        weights.append(weight)
     return tokens, weights

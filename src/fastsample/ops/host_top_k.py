@@ -34,7 +34,6 @@ steps: same numbers, more ops.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -168,7 +167,7 @@ def draw(
     kept = keep(wide_weights.clone())
     drew = None
     if few:  # the block sums and the draw in Python floats (host_floats), when they can be
-        drew = _few_rows_draw(kept, ids[:, :wide], blocks, width, source, read)
+        drew = _few_rows_draw(kept, ids[:, :wide], blocks, width, source)
     if drew is not None:
         token_ids, genuine, total, weights = drew
     else:
@@ -225,9 +224,8 @@ def _scale(
 
 
 def _few_rows_draw(
-    kept: Tensor, ids: Tensor, blocks: int, width: int, source: UniformSource,
-    read: Callable[[Tensor], Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
+    kept: Tensor, ids: Tensor, blocks: int, width: int, source: UniformSource
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """One draw for a few rows with the block sums and the inverse CDF in Python floats
     (:mod:`.host_floats`): ``(token_ids, genuine, total, weights)`` as
     :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` gives them, or None before any
@@ -240,23 +238,17 @@ def _few_rows_draw(
         return None
     # The float64 table of block sums, for its total: torch's sum over the row (its order).
     table = torch.zeros(batch * blocks, dtype=torch.float64, device=device)
-    places = [b * blocks + block for b, row in enumerate(rows) for block, _ in row]
+    places = [b * blocks + block.index for b, row in enumerate(rows) for block in row]
     table.index_put_((torch.tensor(places, device=device),),
-                     torch.tensor([x for row in rows for _, x in row], dtype=torch.float64,
-                                  device=device))  # fmt: skip
+                     torch.tensor([block.total for row in rows for block in row],
+                                  dtype=torch.float64, device=device))  # fmt: skip
     total = table.view(batch, blocks).sum(-1)
     uniforms = (
         source.host_row_uniforms(1)
         if hasattr(source, "host_row_uniforms")
         else source.row_uniforms(1).tolist()
     )
-    offsets = _offsets(device)
-
-    def read_blocks(starts: list[int]) -> list[list[float]]:
-        columns = (torch.tensor(starts, device=device)[:, None] + offsets).clamp_max_(width - 1)
-        return read(columns).to(torch.float64).tolist()
-
-    tokens, weights = host_floats.draw_one(rows, [u[0] for u in uniforms], read_blocks, width)
+    tokens, weights = host_floats.draw_one(rows, [u[0] for u in uniforms], width)
     token_ids = torch.tensor(tokens, device=device)[:, None]
     genuine = torch.ones((batch, 1), dtype=torch.bool, device=device)
     drawn = torch.tensor(weights, dtype=torch.float64, device=device)[:, None]

@@ -1,0 +1,103 @@
+"""The Python-float draw of a few rows (fastsample.ops.host_floats) against the blocked
+inverse CDF on the dense weights (ops/inverse_cdf.py), uniform by uniform.
+
+host_floats.draw_one never reads the logits again: the chosen block's prefix comes from its
+one or two kept entries. These tests give it rows whose blocks hold one or two kept weights
+(neighbours, the block's first and last columns, a short last block) and uniforms on every
+boundary (0, each block's prefix over the total, each entry's prefix inside its block, just
+below 1) plus random ones, and require the same token and weight as ``inverse_cdf_draw``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from fastsample.ops import host_floats
+from fastsample.ops.inverse_cdf import BLOCK, inverse_cdf_draw
+from uniforms import BELOW_ONE, ControlledUniforms
+
+
+def _row(rng: random.Random, width: int) -> dict[int, float]:
+    """Kept weights by column: 1-2 per chosen block, at edges and neighbours too."""
+    blocks = -(-width // BLOCK)
+    kept: dict[int, float] = {}
+    for block in rng.sample(range(blocks), min(blocks, rng.randint(1, 12))):
+        size = min(BLOCK, width - block * BLOCK)
+        first = rng.choice([0, size - 1, rng.randrange(size)])
+        columns = {first}
+        if rng.random() < 0.5 and size > 1:
+            columns.add(rng.choice([first - 1 if first else first + 1, rng.randrange(size)]))
+        for column in columns:
+            weight = rng.choice([1.0, 0.5, 0.25, rng.random(), rng.random() * 1e-6])
+            kept[block * BLOCK + column] = torch.tensor(max(weight, 1e-30)).float().item()
+    return kept
+
+
+def _boundaries(blocks: list[host_floats.Block]) -> list[float]:
+    """Uniforms at the boundaries the draw decides on, as float64 quotients by the total."""
+    total = sum(block.total for block in blocks)
+    out, running = [0.0, BELOW_ONE, 0.5], 0.0
+    for block in blocks:
+        inner = running
+        for _, weight in block.entries:
+            inner += weight
+            out.append(min(inner / total, BELOW_ONE))
+        running += block.total
+        out.append(min(running / total, BELOW_ONE))
+    return out
+
+
+def _reference(kept: dict[int, float], width: int, u: float) -> tuple[int, float]:
+    dense = torch.zeros(1, width, dtype=torch.float32)
+    for column, weight in kept.items():
+        dense[0, column] = weight
+    weights: list[torch.Tensor] = []
+    ids, _, _ = inverse_cdf_draw(dense, 1, ControlledUniforms([[u]]), weights_out=weights)
+    return int(ids[0, 0]), float(weights[0][0, 0])
+
+
+def _compare(draw, rows: int = 60) -> list[tuple]:
+    """``(width, kept, u, expected, got)`` of every disagreement of ``draw`` with the dense
+    inverse CDF over random rows and their boundary uniforms."""
+    rng = random.Random(20261203)
+    wrong = []
+    for index in range(rows):
+        width = [2 * BLOCK, 2000, 4096][index % 3]  # 2000: a short last block
+        kept = _row(rng, width)
+        columns = sorted(kept)
+        blocks = host_floats.block_values([[kept[c] for c in columns]], [columns])
+        assert blocks is not None
+        for u in _boundaries(blocks[0]) + [rng.random() for _ in range(8)]:
+            tokens, weights = draw(blocks, [u], width)
+            expected = _reference(kept, width, u)
+            if (tokens[0], weights[0]) != expected:
+                wrong.append((width, kept, u, expected, (tokens[0], weights[0])))
+    return wrong
+
+
+def test_the_python_draw_is_the_inverse_cdf_on_the_dense_weights():
+    assert _compare(host_floats.draw_one) == []
+
+
+def test_negative_control_the_blocks_first_entry_is_caught():
+    """A draw that takes the chosen block's first kept entry whatever the uniform (ignoring
+    the prefix inside the block) disagrees on this test's rows."""
+
+    def first_entry(blocks, uniforms, width):
+        tokens, weights = host_floats.draw_one(blocks, uniforms, width)
+        for b, token in enumerate(tokens):
+            block = next(x for x in blocks[b] if x.index == token // BLOCK)
+            column, weight = block.entries[0]
+            tokens[b], weights[b] = block.index * BLOCK + column, weight
+        return tokens, weights
+
+    assert len(_compare(first_entry)) > 0
+
+
+def test_a_block_of_three_kept_weights_goes_to_torch():
+    assert host_floats.block_values([[0.5, 0.25, 0.125]], [[3, 7, 200]]) is None
+    blocks = host_floats.block_values([[0.5, 0.0, 0.25]], [[300, 7, 3]])
+    assert blocks == [[host_floats.Block(0, 0.25, [(3, 0.25)]),
+                       host_floats.Block(1, 0.5, [(300 - BLOCK, 0.5)])]]  # fmt: skip
