@@ -7,12 +7,13 @@ Two modes (:data:`~fastsample.stages.params.LOGPROBS_MODES`):
   any other token's ``-inf``; a greedy row is the point mass at its first maximal index.
 * ``"raw"``: the logits as the engine gave them, after the allowed-token masks only (vLLM's
   ``raw_logprobs``): ``x - logsumexp(x)`` in float64, with ``logsumexp(x) = m + log sum p -
-  log p_m``, ``m`` the row maximum, ``p`` the row's softmax (torch's fused CPU kernel, into a
-  scratch buffer: one parallel region for a large batch, one row at a time for a small one)
-  and ``p_m`` its value at the first maximal entry; ``sum p`` from float32 block sums and a
+  log p_m``, ``m`` the row maximum, ``p`` the row's softmax (torch's fused CPU kernel) and
+  ``p_m`` its value at the first maximal entry; ``sum p`` from float32 block sums and a
   float64 total. Within ~5e-8 of the float64 logsumexp (the softmax's own float32 sum is only
-  good to ~4e-6, which the second sum removes). For probabilities, ``log p - log sum p``
-  (float32 block sums, float64 total).
+  good to ~4e-6, which the second sum removes). On CPU in eager mode the softmax goes piece
+  by piece (a row, or rows of up to 2^18 entries) through a scratch buffer that stays in
+  cache, summed before the next piece: one read of the logits and no ``(B, V)`` write. For
+  probabilities, ``log p - log sum p`` (float32 block sums, float64 total).
 
 Nothing here returns a ``(B, V)`` log-softmax: the row's normalizer is one number, the top-N
 come from the block maxima (:func:`fastsample.ops.select.top_entries`; the draw's own when the
@@ -56,7 +57,6 @@ class RawNormalizer(NamedTuple):
 def raw_normalizer(scores: Tensor, is_logits: bool, maxima: Tensor | None = None) -> RawNormalizer:
     """The float64 log normalizer of each row of ``scores`` (``maxima``: their block maxima,
     if the draw has them)."""
-    batch, vocab = scores.shape
     if not is_logits:
         total = row_summaries(scores)[0].sum(-1)
         return RawNormalizer(scores, total.log(), False, maxima)
@@ -65,43 +65,59 @@ def raw_normalizer(scores: Tensor, is_logits: bool, maxima: Tensor | None = None
     block = maxima.argmax(-1, keepdim=True)  # the first block holding the row maximum
     peak = maxima.gather(1, block)
     first = first_in_block(scores, block)[:, None]
-    dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    probs = scratch.buffer("raw softmax", (batch, vocab), dtype, scores.device)
-    serial = threads.serial_passes(scores.device, scores.numel())
-    if serial:  # one row at a time: torch's softmax opens no parallel region for one row
-        for row in range(batch):
-            _softmax(scores[row], probs[row])
-    else:
-        _softmax(scores, probs)
     # p = e / s with e = exp(x - m) and s their float32 sum; the e are exact to float32, the
     # sum of ~1e5 of them in float32 is not (~4e-6 relative): sum p again (float32 blocks,
     # float64 total), so that log(sum e) = log(sum p) - log(p at m) (e there is 1) to ~5e-8.
-    mass = _row_mass(probs, serial)
-    at_peak = probs.gather(1, first).squeeze(1).to(torch.float64)
+    mass, at_peak = _softmax_mass(scores, first)
     log_total = peak.squeeze(1).to(torch.float64) + mass.log() - at_peak.log()
     return RawNormalizer(scores, log_total, True, maxima)
+
+
+# Elements of a piece of the softmax outside the serial mode: its buffer stays in cache.
+_SOFTMAX_PIECE = 1 << 18
+
+
+def _softmax_mass(scores: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
+    """``(B,)`` float64 sums of each row's softmax ``p`` (float32 block sums, float64 total)
+    and ``(B,)`` float64 ``p`` at column ``first`` (``(B, 1)``).
+
+    The softmax goes piece by piece through a small scratch buffer that stays in cache,
+    summed before the next piece overwrites it: one read of the logits, no ``(B, V)`` write.
+    A piece is one row in the serial mode (torch's softmax opens no parallel region for one
+    row; its block sums in pieces under the grain), else rows of up to ``_SOFTMAX_PIECE``
+    entries; every row's numbers are the same whatever its piece."""
+    batch, vocab = scores.shape
+    full = vocab // BLOCK
+    dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    serial = threads.serial_passes(scores.device, scores.numel())
+    rows_per = 1 if serial else max(1, min(batch, _SOFTMAX_PIECE // max(vocab, 1)))
+    if scores.device.type != "cpu" or torch.compiler.is_compiling():
+        rows_per = batch  # one softmax: the pieces only save memory traffic on CPU
+    buffer = scratch.buffer("raw softmax", (rows_per, vocab), dtype, scores.device)
+    sums = torch.empty(batch, full, dtype=dtype, device=scores.device)
+    tails = torch.zeros(batch, dtype=dtype, device=scores.device)
+    at_first = torch.empty(batch, 1, dtype=dtype, device=scores.device)
+    for start in range(0, batch, rows_per):
+        stop = min(start + rows_per, batch)
+        probs = _softmax(scores[start:stop], buffer[: stop - start])
+        if serial:
+            threads.blockwise_(probs, sums[start:stop], BLOCK, "sum")
+        else:
+            whole = probs[:, : full * BLOCK].reshape(stop - start, full, BLOCK)
+            torch.sum(whole, -1, out=sums[start:stop])
+        if vocab % BLOCK:
+            torch.sum(probs[:, full * BLOCK :], -1, out=tails[start:stop])
+        torch.gather(probs, 1, first[start:stop], out=at_first[start:stop])
+    mass = sums.to(torch.float64).sum(-1)
+    if vocab % BLOCK:
+        mass += tails.to(torch.float64)
+    return mass, at_first.squeeze(1).to(torch.float64)
 
 
 def _softmax(scores: Tensor, out: Tensor) -> Tensor:
     if scores.dtype in (torch.float16, torch.bfloat16):  # in float32, as the weights are
         scores = scores.float()
     return torch.ops.aten._softmax.out(scores, -1, False, out=out)
-
-
-def _row_mass(values: Tensor, serial: bool) -> Tensor:
-    """``(B,)`` float64 row sums of ``values`` from float32 (float64) sums of blocks, in
-    pieces under the parallel grain when ``serial`` (the same numbers either way)."""
-    batch, vocab = values.shape
-    full = vocab // BLOCK
-    if serial:
-        sums = torch.empty(batch, full, dtype=values.dtype, device=values.device)
-        threads.blockwise_(values, sums, BLOCK, "sum")
-    else:
-        sums = values[:, : full * BLOCK].reshape(batch, full, BLOCK).sum(-1)
-    total = sums.to(torch.float64).sum(-1)
-    if vocab % BLOCK:
-        total += values[:, full * BLOCK :].sum(-1).to(torch.float64)
-    return total
 
 
 def _raw_at(raw: RawNormalizer, ids: Tensor) -> Tensor:
@@ -134,17 +150,29 @@ _RANK_BLOCKS = 32
 
 def _count_in_reaching_blocks(scores: Tensor, value: Tensor, maxima: Tensor) -> Tensor | None:
     """``(B,)`` count of entries ``>= value`` per row from the blocks whose maximum reaches it
-    (the others hold none), read in pieces under the parallel grain; None when too many blocks
-    reach it (a drawn token far down the row, or a NaN value)."""
+    (the others hold none), read in pieces under the parallel grain (whole blocks are copied
+    rows of a block view: ~4x faster than gathering by computed columns); None when too many
+    blocks reach it (a drawn token far down the row, or a NaN value)."""
     batch, vocab = scores.shape
     # A NaN block maximum hides the block's other entries: such a block is read too.
     row, block = (maxima < value[:, None]).logical_not_().nonzero(as_tuple=True)
     if row.shape[0] > _RANK_BLOCKS * batch or row.shape[0] < batch:
         return None  # many blocks, or a row with none (NaN): the compare pass
+    step = (threads.GRAIN - 1) // BLOCK
+    if vocab % BLOCK == 0:  # whole blocks: rows of a (B * blocks, BLOCK) view, no index math
+        full = vocab // BLOCK
+        source = scores.view(batch * full, BLOCK)
+        picked = row * full + block
+        counts = torch.zeros(batch, dtype=torch.int32, device=scores.device)
+        for start in range(0, row.shape[0], step):
+            rows = row[start : start + step]
+            content = source.index_select(0, picked[start : start + step])
+            reached = content >= value.gather(0, rows)[:, None]
+            counts.scatter_add_(0, rows, reached.sum(-1, dtype=torch.int32))
+        return counts.to(torch.int64)
     offsets = torch.arange(BLOCK, device=scores.device)
     flat = scores.view(-1)
     counts = torch.zeros(batch, dtype=torch.int64, device=scores.device)
-    step = (threads.GRAIN - 1) // BLOCK
     for start in range(0, row.shape[0], step):
         rows, blocks = row[start : start + step], block[start : start + step]
         columns = blocks[:, None] * BLOCK + offsets
