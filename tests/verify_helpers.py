@@ -16,7 +16,6 @@ Lives in tests/ (on ``sys.path`` through ``pythonpath``) under a name unique in 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -25,6 +24,7 @@ import torch
 
 import fastsample as fs
 from stattests import assert_law, law_rejected
+from torch_threads import one_thread
 
 NAN, INF = float("nan"), float("inf")
 TABLE_ROWS = 4099  # prime: the toy model's prefix hash is taken modulo it
@@ -269,18 +269,6 @@ class LawDraws(NamedTuple):
 
 CHUNK = 32_768  # requests per call: bounded memory, and temporaries the allocator reuses
 # (chunks of 250k cost a third more CPU time in page faults)
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Torch on one thread: the trials are many small ops, on which a second thread costs
-    more than it saves (measured on 2 cores: 1.7x the CPU time, 1.2x the wall time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @one_thread()

@@ -39,9 +39,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import host_floats, small_top_k, threads
+from . import host_floats, threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
-from .inverse_cdf import BLOCK, inverse_cdf_draw
+from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums
 from .noise import UniformSource
 from .select import _largest_first
 from .threads import GRAIN
@@ -450,4 +450,4 @@ def _offsets(device: torch.device) -> Tensor:
 def _block_sums(kept: Tensor, ids: Tensor, blocks: int, width: int) -> Tensor:
     """``(B, blocks)`` float32 block sums of the candidates' kept weights (``kept``, ``ids``
     ``(B, c)``; every other entry is cut): bitwise the general path's block sums."""
-    return small_top_k.kept_block_sums(kept, ids // BLOCK, ids % BLOCK, blocks, width)
+    return kept_block_sums(kept, ids // BLOCK, ids % BLOCK, blocks, width)

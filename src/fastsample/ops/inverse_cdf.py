@@ -186,3 +186,39 @@ def inverse_cdf_draw(
     if num_samples == 1:  # skip two concatenations of one piece (per-op cost, small B)
         return token_ids[0], genuine[0], total
     return torch.cat(token_ids, dim=1), torch.cat(genuine, dim=1), total
+
+
+def kept_block_sums(
+    kept: Tensor, block_ids: Tensor, columns: Tensor, blocks: int, width: int
+) -> Tensor:
+    """``(B, blocks)`` float32 block sums of ``kept`` (``(B, c)`` kept weights of the entries
+    at ``columns`` of blocks ``block_ids``; every other entry weighs 0), bitwise the general
+    path's: at most two nonzero weights into a zero table (one rounding in any order), a
+    block of three or more laid out in a ``BLOCK`` tile and summed as the general path does."""
+    batch = kept.shape[0]
+    zeros = torch.zeros(batch, blocks, dtype=torch.float32, device=kept.device)
+    table = zeros.clone().scatter_add_(1, block_ids, kept)
+    present = (kept > 0).to(torch.float32)
+    crowded = zeros.scatter_add_(1, block_ids, present) >= 3
+    rows, crowded_blocks = crowded.nonzero(as_tuple=True)
+    if rows.shape[0] == 0:
+        return table
+    tile_of = torch.full((batch, blocks), -1, dtype=torch.int64, device=kept.device)
+    tile_of[rows, crowded_blocks] = torch.arange(rows.shape[0], device=kept.device)
+    tile = tile_of.gather(1, block_ids)
+    members = (tile >= 0) & (kept > 0)
+    tiles = torch.zeros(rows.shape[0], BLOCK, dtype=torch.float32, device=kept.device)
+    tiles[tile[members], columns[members]] = kept[members]
+    table[rows, crowded_blocks] = tile_sums(tiles, crowded_blocks, width)
+    return table
+
+
+def tile_sums(tiles: Tensor, blocks: Tensor, width: int) -> Tensor:
+    """Sums of ``tiles`` (``(..., BLOCK)``, the kept weights of the ``blocks`` of a ``width``
+    -wide buffer) as :func:`~fastsample.ops.inverse_cdf.block_sums` sums those blocks: a short
+    last block over its own entries only (another reduction order than over ``BLOCK``)."""
+    sums = tiles.sum(-1)
+    last, tail = divmod(width, BLOCK)
+    if tail:
+        sums = torch.where(blocks == last, tiles[..., :tail].sum(-1), sums)
+    return sums

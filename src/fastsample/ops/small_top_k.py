@@ -64,7 +64,7 @@ from torch import Tensor
 
 from . import host_top_k
 from .cuts import BELOW_ONE, CUT_FLOOR, as_rows, top_p_cut_from_candidates
-from .inverse_cdf import BLOCK, inverse_cdf_draw
+from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums, tile_sums
 from .noise import UniformSource
 from .pieces import piece_rows
 from .seeds import _small_op_mode
@@ -284,7 +284,7 @@ def _draw_from_maxima(
         kept_candidates = keep(candidates.clone())
         kept = hits.mul_(tie_weight[:, None]).scatter_(1, positions, kept_candidates)
         kept = kept.view(batch, found.content.shape[1] // BLOCK, BLOCK)
-        candidate_sums = _tile_sums(kept, found.blocks, width)
+        candidate_sums = tile_sums(kept, found.blocks, width)
         table = (counts * tie_weight[:, None]).scatter_(1, found.blocks, candidate_sums)
     sums = table.to(torch.float64)
 
@@ -363,42 +363,6 @@ def _candidate_block_sums(found: Candidates, kept: Tensor, blocks: int, width: i
     # block: unlike found.ids, never clamped, so padding past the vocabulary stays apart).
     block_ids = found.blocks.gather(1, positions // BLOCK)
     return kept_block_sums(kept, block_ids, positions % BLOCK, blocks, width)
-
-
-def kept_block_sums(
-    kept: Tensor, block_ids: Tensor, columns: Tensor, blocks: int, width: int
-) -> Tensor:
-    """``(B, blocks)`` float32 block sums of ``kept`` (``(B, c)`` kept weights of the entries
-    at ``columns`` of blocks ``block_ids``; every other entry weighs 0), bitwise the general
-    path's: at most two nonzero weights into a zero table (one rounding in any order), a
-    block of three or more laid out in a ``BLOCK`` tile and summed as the general path does."""
-    batch = kept.shape[0]
-    zeros = torch.zeros(batch, blocks, dtype=torch.float32, device=kept.device)
-    table = zeros.clone().scatter_add_(1, block_ids, kept)
-    present = (kept > 0).to(torch.float32)
-    crowded = zeros.scatter_add_(1, block_ids, present) >= 3
-    rows, crowded_blocks = crowded.nonzero(as_tuple=True)
-    if rows.shape[0] == 0:
-        return table
-    tile_of = torch.full((batch, blocks), -1, dtype=torch.int64, device=kept.device)
-    tile_of[rows, crowded_blocks] = torch.arange(rows.shape[0], device=kept.device)
-    tile = tile_of.gather(1, block_ids)
-    members = (tile >= 0) & (kept > 0)
-    tiles = torch.zeros(rows.shape[0], BLOCK, dtype=torch.float32, device=kept.device)
-    tiles[tile[members], columns[members]] = kept[members]
-    table[rows, crowded_blocks] = _tile_sums(tiles, crowded_blocks, width)
-    return table
-
-
-def _tile_sums(tiles: Tensor, blocks: Tensor, width: int) -> Tensor:
-    """Sums of ``tiles`` (``(..., BLOCK)``, the kept weights of the ``blocks`` of a ``width``
-    -wide buffer) as :func:`~fastsample.ops.inverse_cdf.block_sums` sums those blocks: a short
-    last block over its own entries only (another reduction order than over ``BLOCK``)."""
-    sums = tiles.sum(-1)
-    last, tail = divmod(width, BLOCK)
-    if tail:
-        sums = torch.where(blocks == last, tiles[..., :tail].sum(-1), sums)
-    return sums
 
 
 def _count_at_least(logits: Tensor, x_low: Tensor) -> Tensor:
