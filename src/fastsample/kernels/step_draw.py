@@ -108,7 +108,7 @@ def _step_draw_kernel(
         zero_t = (tl.load(t_ptr + rows, mask=live, other=1.0) == 0) & live
     else:
         zero_t = rows < 0
-    if MODE == _DRAW:
+    if MODE == _DRAW or MODE == _SOME:  # noqa: SIM109 (`in` fails in Triton's interpreter)
         c1, c2, c3, k0, k1 = row_counters(
             rows, live, seed_ptr, seed_stride, step_ptr, step_stride, stream_ptr, stream_stride,
             stream_value, HAS_STEP, STREAM_ROWS, DRAW_PURPOSE,
@@ -117,28 +117,21 @@ def _step_draw_kernel(
             weights_ptr, w_stride, 1, sums_ptr, sums_stride, rows, live, vocab,
             c1, c2, c3, k0, k1, NUM_SAMPLES, N_PAD, ROWS, TILE, SUMS_TILE, ONE_SUMS_TILE,
         )  # fmt: skip
-        greedy = rows < 0  # point masses weigh as any row (the controls kernel made them)
-        ranked_greedy = zero_t
-    elif MODE == _SOME:
-        c1, c2, c3, k0, k1 = row_counters(
-            rows, live, seed_ptr, seed_stride, step_ptr, step_stride, stream_ptr, stream_stride,
-            stream_value, HAS_STEP, STREAM_ROWS, DRAW_PURPOSE,
-        )  # fmt: skip
-        tokens, genuine = draw_stage(
-            weights_ptr, w_stride, 1, sums_ptr, sums_stride, rows, live, vocab,
-            c1, c2, c3, k0, k1, NUM_SAMPLES, N_PAD, ROWS, TILE, SUMS_TILE, ONE_SUMS_TILE,
-        )  # fmt: skip
-        greedy = zero_t
-        take = greedy & clean
-        if max_of(take.to(tl.int32), 0) > 0:  # a greedy row here: its draws replace these
-            top, top_genuine = top_entries_tile(
-                src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES, N_PAD, ROWS, TILE,
-                IS_LOGITS, IS_F64,
-            )  # fmt: skip
-            tokens = tl.where(greedy[:, None], top, tokens)
-            genuine = tl.where(greedy[:, None], top_genuine, genuine)
-        ranked_greedy = greedy
-    else:
+        if MODE == _DRAW:
+            greedy = rows < 0  # point masses weigh as any row (the controls kernel made them)
+            ranked_greedy = zero_t
+        else:
+            greedy = zero_t
+            take = greedy & clean
+            if max_of(take.to(tl.int32), 0) > 0:  # a greedy row here: its draws replace these
+                top, top_genuine = top_entries_tile(
+                    src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES, N_PAD, ROWS, TILE,
+                    IS_LOGITS, IS_F64,
+                )  # fmt: skip
+                tokens = tl.where(greedy[:, None], top, tokens)
+                genuine = tl.where(greedy[:, None], top_genuine, genuine)
+            ranked_greedy = greedy
+    else:  # ALL, SCAN: every row greedy
         greedy = live
         tokens, genuine = top_entries_tile(
             src_ptr, src_stride, rows, clean & live, vocab, NUM_SAMPLES, N_PAD, ROWS, TILE,
