@@ -39,7 +39,7 @@ from ..verify.targets import chain_prefixes, processed_positions
 from . import grammar
 from .logprobs import from_full, raw_values
 from .plan import Plan, thinking_budget_active
-from .sampler import FastsampleSampler, _warn_once
+from .sampler import FastsampleSampler
 from .state import CALLS, STATE
 
 
@@ -76,13 +76,7 @@ class FastsampleRejectionSampler(RejectionSampler):
         try:
             return self._verify(metadata, draft_probs, logits, sampling_metadata, plan, words)
         except Exception as exc:  # never take vLLM down: its own code verifies this step
-            sampler._plan = None
-            _warn_once(
-                "error " + type(exc).__name__, "fastsample's vLLM plugin failed a step (%s: %s); "
-                "vLLM's own rejection sampler verified it", type(exc).__name__, exc,
-            )  # fmt: skip
-            CALLS["delegated"] += 1
-            grammar.mask(logits, words)
+            sampler.hand_back(exc, logits, words, "rejection sampler verified it")
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
 
     def _verify(self, metadata, draft_probs, logits, sampling_metadata, plan: Plan,

@@ -72,14 +72,20 @@ class FastsampleSampler(Sampler):
         try:
             return self._draw(logits, plan, words)
         except Exception as exc:  # never take vLLM down: its own code samples this step
-            self._plan = None  # the next step starts from a fresh plan
-            _warn_once(
-                "error " + type(exc).__name__, "fastsample's vLLM plugin failed a step (%s: %s); "
-                "vLLM's own sampler drew it", type(exc).__name__, exc,
-            )  # fmt: skip
-            CALLS["delegated"] += 1
-            grammar.mask(logits, words)
+            self.hand_back(exc, logits, words, "sampler drew it")
             return super().forward(logits, sampling_metadata)
+
+    def hand_back(self, exc: Exception, logits: Tensor, words: Tensor | None, what: str) -> None:
+        """After ``exc`` inside a step, before vLLM's own code takes it: the next step starts
+        from a fresh plan, one warning per kind of error, the call counted, and the grammar
+        bitmask applied to ``logits`` (vLLM's code expects it applied)."""
+        self._plan = None
+        _warn_once(
+            "error " + type(exc).__name__, "fastsample's vLLM plugin failed a step (%s: %s); "
+            "vLLM's own %s", type(exc).__name__, exc, what,
+        )  # fmt: skip
+        CALLS["delegated"] += 1
+        grammar.mask(logits, words)
 
     def _draw(self, logits: Tensor, plan: Plan, words: Tensor | None) -> SamplerOutput:
         """One step with fastsample: ``sample_step``, the state's update, vLLM's output."""
