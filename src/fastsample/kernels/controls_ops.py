@@ -128,12 +128,25 @@ def _several_launcher(
     stream_rows: Tensor | None,
     stream_value: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    processed, stream = _joined(weights, sums, total, clean, stream_rows, stream_value)
+    return _greedy.several(source, is_logits, num_samples, processed, temperature, seed, step,
+                           stream)  # fmt: skip
+
+
+def _joined(
+    weights: Tensor | None,
+    sums: Tensor | None,
+    total: Tensor | None,
+    clean: Tensor | None,
+    stream_rows: Tensor | None,
+    stream_value: int,
+) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor] | None, Tensor | int]:
+    """A custom op's flat arguments joined back (custom ops take no tuples and no unions):
+    the controls kernel's ``(weights, sums, total, clean)`` or None, and the stream."""
     processed = None
     if weights is not None and sums is not None and total is not None and clean is not None:
         processed = (weights, sums, total, clean)
-    stream = stream_value if stream_rows is None else stream_rows
-    return _greedy.several(source, is_logits, num_samples, processed, temperature, seed, step,
-                           stream)  # fmt: skip
+    return processed, stream_value if stream_rows is None else stream_rows
 
 
 def _several_fake(source, is_logits, num_samples, *rest):

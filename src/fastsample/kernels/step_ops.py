@@ -36,7 +36,13 @@ from ..ops.validation import Controls
 from . import stages as _stages
 from . import stats as _stats
 from . import step_draw as _draw
-from .controls_ops import _register, _tensor_stream, _unit_stride_controls, processed
+from .controls_ops import (
+    _joined,
+    _register,
+    _tensor_stream,
+    _unit_stride_controls,
+    processed,
+)
 from .ops import counters
 from .philox import INTERPRETED
 
@@ -144,10 +150,7 @@ def _draw_launcher(
     ranks: bool,
     requested: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    got = None
-    if weights is not None and sums is not None and total is not None and clean is not None:
-        got = (weights, sums, total, clean)
-    stream = stream_value if stream_rows is None else stream_rows
+    got, stream = _joined(weights, sums, total, clean, stream_rows, stream_value)
     return _draw.step_draw(  # type: ignore[return-value]
         source, is_logits, mode, num_samples, got, temperature, seed, step, stream, rows_ok,
         scores, words, log_total, top, ranks, requested,
