@@ -95,7 +95,7 @@ def _softmax_mass(scores: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         rows_per = batch  # one softmax: the pieces only save memory traffic on CPU
     buffer = scratch.buffer("raw softmax", (rows_per, vocab), dtype, scores.device)
     sums = torch.empty(batch, full, dtype=dtype, device=scores.device)
-    tails = torch.zeros(batch, dtype=dtype, device=scores.device)
+    tails = torch.empty(batch, dtype=dtype, device=scores.device) if vocab % BLOCK else None
     at_first = torch.empty(batch, 1, dtype=dtype, device=scores.device)
     for start in range(0, batch, rows_per):
         stop = min(start + rows_per, batch)
@@ -105,11 +105,11 @@ def _softmax_mass(scores: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         else:
             whole = probs[:, : full * BLOCK].reshape(stop - start, full, BLOCK)
             torch.sum(whole, -1, out=sums[start:stop])
-        if vocab % BLOCK:
+        if tails is not None:  # the short last block
             torch.sum(probs[:, full * BLOCK :], -1, out=tails[start:stop])
         torch.gather(probs, 1, first[start:stop], out=at_first[start:stop])
     mass = sums.to(torch.float64).sum(-1)
-    if vocab % BLOCK:
+    if tails is not None:
         mass += tails.to(torch.float64)
     return mass, at_first.squeeze(1).to(torch.float64)
 
