@@ -194,7 +194,8 @@ def kept_block_sums(
     """``(B, blocks)`` float32 block sums of ``kept`` (``(B, c)`` kept weights of the entries
     at ``columns`` of blocks ``block_ids``; every other entry weighs 0), bitwise the general
     path's: at most two nonzero weights into a zero table (one rounding in any order), a
-    block of three or more laid out in a ``BLOCK`` tile and summed as the general path does."""
+    block of three or more laid out in a ``BLOCK`` tile and summed as the general path does.
+    CPU eager only (the small-top-k host paths): ``nonzero`` sizes the tiles."""
     batch = kept.shape[0]
     zeros = torch.zeros(batch, blocks, dtype=torch.float32, device=kept.device)
     table = zeros.clone().scatter_add_(1, block_ids, kept)
