@@ -295,6 +295,27 @@ def _controls_kernel(
 
 
 @triton.jit
+def next_largest(row, n, previous, previous_id, FLOAT: tl.constexpr, TILE: tl.constexpr):
+    """``(value, index)`` of the largest of the ``n`` entries at ``row`` after ``(previous,
+    previous_id)`` in the order largest first, ties by the lower index (one pass; index ``n``
+    when none is left; NaN is never taken). Start from ``(inf, -1)`` for the largest."""
+    lanes = tl.arange(0, TILE)
+    best = tl.full((), float("-inf"), FLOAT)
+    best_id = tl.full((), 0, tl.int32) + n  # n: none found yet
+    for start in range(0, n, TILE):
+        offs = start + lanes
+        x = tl.load(row + offs, mask=offs < n, other=float("-inf")).to(FLOAT)
+        after = (x < previous) | ((x == previous) & (offs > previous_id))
+        eligible = (offs < n) & after  # NaN is never eligible
+        top = max_of(tl.where(eligible, x, float("-inf")), 0)
+        first = min_of(tl.where(eligible & (x == top), offs, n), 0)
+        take = (top > best) | ((top == best) & (first < best_id))
+        best_id = tl.where(take, first, best_id)
+        best = tl.where(take, top, best)
+    return best, best_id
+
+
+@triton.jit
 def _store_top(src, out, n, valid, total, ids_row, logp_row, NUM_TOP: tl.constexpr,
                IS_F64: tl.constexpr, TILE: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
     """``top_logprobs``: the ``NUM_TOP`` largest inputs, largest first, ties by the lower index
@@ -303,25 +324,12 @@ def _store_top(src, out, n, valid, total, ids_row, logp_row, NUM_TOP: tl.constex
     ``log w - log total`` in float64 from the kept weights (``-inf`` outside the kept set and
     on invalid rows)."""
     FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32
-    lanes = tl.arange(0, TILE)
     previous = tl.full((), float("inf"), FLOAT)
     previous_id = tl.full((), -1, tl.int32)
     log_total = _log(tl.where(total > 0, total, 1.0), PRECISE)
     for j in range(NUM_TOP):
-        best = tl.full((), float("-inf"), FLOAT)
-        best_id = tl.full((), 0, tl.int32) + n  # n: none found yet
-        for start in range(0, n, TILE):
-            offs = start + lanes
-            x = tl.load(src + offs, mask=offs < n, other=float("-inf")).to(FLOAT)
-            after = (x < previous) | ((x == previous) & (offs > previous_id))
-            eligible = (offs < n) & after  # NaN is never eligible
-            top = max_of(tl.where(eligible, x, float("-inf")), 0)
-            first = min_of(tl.where(eligible & (x == top), offs, n), 0)
-            take = (top > best) | ((top == best) & (first < best_id))
-            best_id = tl.where(take, first, best_id)
-            best = tl.where(take, top, best)
-        previous, previous_id = best, best_id
-        token = tl.minimum(best_id, n - 1)
+        previous, previous_id = next_largest(src, n, previous, previous_id, FLOAT, TILE)
+        token = tl.minimum(previous_id, n - 1)
         w = tl.load(out + token).to(tl.float64)
         logp = _log(tl.where(w > 0, w, 1.0), PRECISE) - log_total
         tl.store(ids_row + j, token.to(tl.int64))

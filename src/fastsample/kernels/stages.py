@@ -54,10 +54,9 @@ import triton.language as tl
 from torch import Tensor
 
 from . import launch
-from .controls import _as_float64, _div, _exp, _log, libdevice
+from .controls import _as_float64, _div, _exp, _log, libdevice, next_largest
 from .philox import INTERPRETED
 from .select import largest as max_of
-from .select import smallest as min_of
 from .select import tile_for
 from .select import total as sum_of
 
@@ -338,24 +337,16 @@ def _store_raw_top(src, out, n, log_total, ids_row, logp_row, NUM_TOP: tl.conste
     """The ``NUM_TOP`` largest raw scores, largest first, ties by the lower index (one pass
     each: the largest entry after the previous one in that order), and their float64 raw
     log-probabilities ``x - log_total`` (``log x - log_total`` for probabilities)."""
-    lanes = tl.arange(0, TILE)
+    # The raw scores: the written row (float), else the input.
+    if WRITE:  # noqa: SIM108 (a constexpr branch, as the kernels write them)
+        row = out
+    else:
+        row = src
     previous = tl.full((), float("inf"), FLOAT)
     previous_id = tl.full((), -1, tl.int32)
     for j in range(NUM_TOP):
-        best = tl.full((), float("-inf"), FLOAT)
-        best_id = tl.full((), 0, tl.int32) + n  # n: none found yet
-        for start in range(0, n, TILE):
-            cols = start + lanes
-            x = _raw_tile(src, out, cols, cols < n, WRITE, FLOAT)
-            after = (x < previous) | ((x == previous) & (cols > previous_id))
-            eligible = (cols < n) & after  # NaN is never eligible
-            top = max_of(tl.where(eligible, x, float("-inf")), 0)
-            first = min_of(tl.where(eligible & (x == top), cols, n), 0)
-            take = (top > best) | ((top == best) & (first < best_id))
-            best_id = tl.where(take, first, best_id)
-            best = tl.where(take, top, best)
-        previous, previous_id = best, best_id
-        token = tl.minimum(best_id, n - 1)
+        previous, previous_id = next_largest(row, n, previous, previous_id, FLOAT, TILE)
+        token = tl.minimum(previous_id, n - 1)
         value = _raw_tile(src, out, token, token < n, WRITE, FLOAT).to(tl.float64)
         if not IS_LOGITS:
             value = _log(value, PRECISE)
