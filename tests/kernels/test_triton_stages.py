@@ -473,6 +473,9 @@ _COMPILE = textwrap.dedent("""
     probs = dict(fused, GRAMMAR=0, FUSED=False, REP=0, FREQ=0, PRES=0, RAW=True, NUM_TOP=3)
     build(ks._stages_kernel, dict(stage_pointers, src_ptr="*fp16", out_ptr="*fp32",
           counts_ptr="*u8", rep_ptr="*fp32"), dict(probs, IS_LOGITS=False, IS_F64=False))
+    unwritten = dict(probs, GRAMMAR=1, WRITE=False, NUM_TOP=5)  # raw top-N read from the input
+    build(ks._stages_kernel, dict(stage_pointers, src_ptr="*bf16", out_ptr="*fp32",
+          counts_ptr="*u8", rep_ptr="*fp32"), dict(unwritten, IS_LOGITS=True, IS_F64=False))
     draw_pointers = dict(
         src_ptr="*fp32", weights_ptr="*fp32", sums_ptr="*fp64", total_ptr="*fp64",
         clean_ptr="*i1", t_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64", stream_ptr="*i64",
@@ -530,9 +533,10 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sm90_compile
 def test_kernels_compile_for_a_gpu():
     """The GPU path without a GPU: Triton's compiler (sm_90, down to a cubin) takes the stages,
     step draw and update kernels (fusion on: the penalties' products are ``mul.rn``, which is
     never contracted), and their ``triton_op`` registrations trace under fake tensors."""
     out = run_compiled(_COMPILE)
-    assert out.count("compiled") == 8 and "traced" in out
+    assert out.count("compiled") == 9 and "traced" in out

@@ -155,16 +155,22 @@ def _rows_clean(base, live, vocab, IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr
     without NaN or negative entries, ``0 < max < inf``."""
     FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32
     lanes = tl.arange(0, TILE)[None, :]
-    best = tl.full((ROWS,), float("-inf"), FLOAT)
-    least = tl.full((ROWS,), float("inf"), FLOAT)
-    nans = tl.zeros((ROWS,), tl.int32)
+    # Element-wise over the tiles, reduced once after the loop (max, min and a NaN count are
+    # exact in any order). A reduction per tile inside the loop crashes Triton 3.6's
+    # TritonGPUOptimizeThreadLocality pass in the step draw kernel's SCAN mode.
+    highs = tl.full((ROWS, TILE), float("-inf"), FLOAT)
+    lows = tl.full((ROWS, TILE), float("inf"), FLOAT)
+    nan_tiles = tl.zeros((ROWS, TILE), tl.int32)
     for start in range(0, vocab, TILE):
         offs = start + lanes
         inside = live[:, None] & (offs < vocab)
         x = tl.load(base + offs, mask=inside, other=float("-inf")).to(FLOAT)
-        nans += sum_of((x != x).to(tl.int32), 1)
-        best = tl.maximum(best, max_of(x, 1))
-        least = tl.minimum(least, min_of(tl.where(inside, x, float("inf")), 1))
+        nan_tiles += (x != x).to(tl.int32)
+        highs = tl.maximum(highs, tl.where(x != x, float("-inf"), x))
+        lows = tl.minimum(lows, tl.where(inside & (x == x), x, float("inf")))
+    nans = sum_of(nan_tiles, 1)
+    best = max_of(highs, 1)
+    least = min_of(lows, 1)
     if IS_LOGITS:
         clean = (best > float("-inf")) & (best < float("inf")) & (nans == 0)
     else:
