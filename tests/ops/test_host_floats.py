@@ -2,10 +2,11 @@
 inverse CDF on the dense weights (ops/inverse_cdf.py), uniform by uniform.
 
 host_floats.draw_one never reads the logits again: the chosen block's prefix comes from its
-one or two kept entries. These tests give it rows whose blocks hold one or two kept weights
-(neighbours, the block's first and last columns, a short last block) and uniforms on every
-boundary (0, each block's prefix over the total, each entry's prefix inside its block, just
-below 1) plus random ones, and require the same token and weight as ``inverse_cdf_draw``.
+kept entries. These tests give it rows whose blocks hold one, two or more kept weights
+(neighbours, the block's first and last columns, a short last block; three or more are
+summed by torch) and uniforms on every boundary (0, each block's prefix over the total, each
+entry's prefix inside its block, just below 1) plus random ones, and require the same token
+and weight as ``inverse_cdf_draw``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from uniforms import BELOW_ONE, ControlledUniforms
 
 
 def _row(rng: random.Random, width: int) -> dict[int, float]:
-    """Kept weights by column: 1-2 per chosen block, at edges and neighbours too."""
+    """Kept weights by column: 1-2 per chosen block (sometimes 3-6), at edges and neighbours
+    too."""
     blocks = -(-width // BLOCK)
     kept: dict[int, float] = {}
     for block in rng.sample(range(blocks), min(blocks, rng.randint(1, 12))):
@@ -29,6 +31,8 @@ def _row(rng: random.Random, width: int) -> dict[int, float]:
         columns = {first}
         if rng.random() < 0.5 and size > 1:
             columns.add(rng.choice([first - 1 if first else first + 1, rng.randrange(size)]))
+        if rng.random() < 0.3:  # a crowded block
+            columns.update(rng.randrange(size) for _ in range(rng.randint(2, 5)))
         for column in columns:
             weight = rng.choice([1.0, 0.5, 0.25, rng.random(), rng.random() * 1e-6])
             kept[block * BLOCK + column] = torch.tensor(max(weight, 1e-30)).float().item()
@@ -67,8 +71,7 @@ def _compare(draw, rows: int = 60) -> list[tuple]:
         width = [2 * BLOCK, 2000, 4096][index % 3]  # 2000: a short last block
         kept = _row(rng, width)
         columns = sorted(kept)
-        blocks = host_floats.block_values([[kept[c] for c in columns]], [columns])
-        assert blocks is not None
+        blocks = host_floats.block_values([[kept[c] for c in columns]], [columns], width)
         for u in _boundaries(blocks[0]) + [rng.random() for _ in range(8)]:
             tokens, weights = draw(blocks, [u], width)
             expected = _reference(kept, width, u)
@@ -96,8 +99,14 @@ def test_negative_control_the_blocks_first_entry_is_caught():
     assert len(_compare(first_entry)) > 0
 
 
-def test_a_block_of_three_kept_weights_goes_to_torch():
-    assert host_floats.block_values([[0.5, 0.25, 0.125]], [[3, 7, 200]]) is None
-    blocks = host_floats.block_values([[0.5, 0.0, 0.25]], [[300, 7, 3]])
+def test_a_block_of_three_kept_weights_is_summed_by_torch():
+    weights = [0.1, 0.3, 1e-8, 0.7]  # float32 sums that depend on the order
+    weights = torch.tensor(weights).tolist()
+    blocks = host_floats.block_values([weights], [[3, 7, 200, 9]], 512)
+    tile = torch.zeros(BLOCK)
+    tile[[3, 7, 200, 9]] = torch.tensor(weights)
+    entries = sorted(zip([3, 7, 200, 9], weights, strict=True))
+    assert blocks == [[host_floats.Block(0, tile.sum().item(), entries)]]
+    blocks = host_floats.block_values([[0.5, 0.0, 0.25]], [[300, 7, 3]], 512)
     assert blocks == [[host_floats.Block(0, 0.25, [(3, 0.25)]),
                        host_floats.Block(1, 0.5, [(300 - BLOCK, 0.5)])]]  # fmt: skip

@@ -18,7 +18,7 @@ import torch
 import torch._dynamo
 
 import fastsample as fs
-from fastsample.ops import host_top_k, select, small_top_k
+from fastsample.ops import host_rows, host_top_k, select, small_top_k
 from fastsample.ops.validation import check_controls
 from reference import reference_probs, robust_top_p
 from stattests import LawCase, law_rejected
@@ -164,7 +164,7 @@ def test_host_shortcuts_draw_bitwise_what_the_general_path_draws(monkeypatch, vo
         assert seen["crowded last"] > 0
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
 def test_cpu_eager_path_draws_bitwise_what_the_general_path_draws(monkeypatch, batch):
     """The CPU eager path (fastsample.ops.host_top_k: candidates from the blocks scanned in
     pieces under the parallel grain, one host read, the block sums from the candidates, the
@@ -173,15 +173,22 @@ def test_cpu_eager_path_draws_bitwise_what_the_general_path_draws(monkeypatch, b
     per-row and Python controls in both cut orders, float32 and bfloat16, a vocabulary with a
     short last block, rows that are a strided view and a NaN row (in a block whose maximum
     topk need not pick). The path serves most of these calls."""
-    served = {"host": 0, "calls": 0}
-    host_draw = host_top_k.draw
+    served = {"host": 0, "rows": 0, "calls": 0, "one draw": 0}
+    host_draw, rows_draw = host_top_k.draw, host_rows.draw
 
     def spy(*args):
         got = host_draw(*args)
         served["host"] += got is not None
         return got
 
+    def spy_rows(*args):
+        got = rows_draw(*args)
+        served["rows"] += got is not None
+        served["host"] += got is not None
+        return got
+
     monkeypatch.setattr(host_top_k, "draw", spy)
+    monkeypatch.setattr(host_rows, "draw", spy_rows)
     gen = torch.Generator().manual_seed(batch)
     wide = torch.randn(batch, 50_100, generator=gen) * 3
     cases = {
@@ -216,10 +223,14 @@ def test_cpu_eager_path_draws_bitwise_what_the_general_path_draws(monkeypatch, b
         torch.manual_seed(11)
         fast = fs.sample(x, **kwargs)
         served["calls"] += name != "nan"  # a NaN row sends its batch to the general steps
+        # (row 0 of bad_min_p keeps nothing: the tensor steps flag it)
+        served["one draw"] += name != "nan" and n == 1 and controls.get("min_p") is not bad_min_p
         for field in fast._fields:
             a, b = getattr(fast, field), getattr(general, field)
             assert (a is None and b is None) or torch.equal(a, b), (name, field, kwargs)
     assert served["host"] >= 0.9 * served["calls"], served
+    if batch <= host_rows.ROWS:  # one draw for one or two rows: the Python-float path
+        assert served["rows"] >= 0.9 * served["one draw"], served
 
 
 def test_applies_only_to_what_it_reproduces():

@@ -1,29 +1,28 @@
-"""The small-top-k path's cuts, block sums and draw for a few rows, in Python floats.
+"""The cuts, block sums and draw of one or two rows (:mod:`.host_rows`), in Python floats.
 
-At B = 1-8 on CPU (eager) every tensor op of :mod:`fastsample.ops.host_top_k` costs a few
-microseconds whatever its size, and its candidates are ~50 numbers a row: below a few rows,
-Python floats do the scalar work with fewer microseconds, and bitwise the same numbers:
+At B = 1-2 on CPU (eager) every tensor op costs a few microseconds whatever its size, and
+the candidates are ~50 numbers a row: Python floats do the scalar work with fewer
+microseconds, and bitwise the same numbers:
 
 * Python floats are IEEE float64, as torch's CPU float64 ops: the top-p masses (a sequential
   ``cumsum``, then ``ties * cut`` and ``top_p * mass``), the block prefix, the target and the
   fraction of the blocked inverse CDF, the prefix inside the chosen block;
-* float32 values (the weights, the cuts) are exact Python floats; the only float32 arithmetic
-  here is the sum of a block holding two kept weights, which rounds once (``_f32(a + b)``: a
-  float64 sum rounded to float32 is the float32 sum, 53 >= 2 * 24 + 2). A block holding three
-  or more is summed by torch (its order is the vectorized one): the caller's tensor path;
-* the weights themselves (``exp``), the cut division and the threshold stay torch ops.
+* float32 values (the weights, the cuts) are exact Python floats, and a float32 sum,
+  difference or quotient is the float64 one rounded once to float32 (``_f32``: double
+  rounding is innocuous for these operations when 53 >= 2 * 24 + 2);
+* a block holding three or more kept weights is summed by torch (its order is the
+  vectorized one), and the weights themselves (``exp``) come from torch.
 
 :func:`scales` gives each row's cut (as :func:`fastsample.ops.cuts.top_p_cut_from_candidates`
 and the maxima of the cuts), :func:`block_values` the blocks holding kept weights (their sums
 and entries), :func:`draw_one` one draw (as :func:`fastsample.ops.inverse_cdf.inverse_cdf_draw`,
-from those blocks alone: no entry of the logits is read again).
-"""
+from those blocks alone: no entry of the logits is read again)."""
 
 from __future__ import annotations
 
 import math
-import struct
-from bisect import bisect_right
+from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
 from typing import NamedTuple
@@ -31,20 +30,20 @@ from typing import NamedTuple
 import torch
 
 from .cuts import CUT_FLOOR
-from .inverse_cdf import BLOCK
+from .inverse_cdf import BLOCK, tile_sums
 from .validation import Controls
 
 HOST_ROWS = 2
-"""Rows up to which :mod:`.host_top_k` does the scalar work here (measured on the 2-core Xeon,
+"""Rows up to which :mod:`.host_rows` does the scalar work here (measured on the 2-core Xeon,
 T/k/p tensors at V = 128,256: 85 us saved at B=1, 50 at B=2, even at B=4, 0.15 ms lost at B=8)."""
 
 _CUT_FLOOR = CUT_FLOOR[torch.float32]
-_PACK = struct.Struct("f")
 
 
 def _f32(value: float) -> float:
-    """``value`` rounded to float32 (to nearest, ties to even)."""
-    return _PACK.unpack(_PACK.pack(value))[0]
+    """``value`` rounded to float32 (to nearest, ties to even; past float32's range, an
+    infinity, as a float32 tensor holds it)."""
+    return array("f", (value,))[0]
 
 
 def _rows(value: object, batch: int) -> list | None:
@@ -75,12 +74,12 @@ def scales(
             candidates = w[:count]
             floor = cut_k
             # Only ties at cut_k reach x_k besides the candidates above it (host_top_k).
-            ties = float(sum(x >= x_k for x in v) - sum(x > cut_k for x in candidates))
+            ties = float(sum(map(x_k.__le__, v)) - sum(map(cut_k.__lt__, candidates)))
             if controls.min_p_first:
                 assert cut_min is not None
                 floor = max(cut_k, cut_min)
                 if floor > cut_k:
-                    ties = float(sum(x == floor for x in candidates))
+                    ties = float(sum(map(floor.__eq__, candidates)))
             cut = max(cut, _top_p_cut(candidates, floor, float(p_rows[b]), ties, tensor_p))
         if cut_min is not None:
             cut = max(cut, cut_min)
@@ -92,20 +91,20 @@ def _top_p_cut(candidates: Sequence[float], floor: float, p: float, ties: float,
     """:func:`fastsample.ops.cuts.top_p_cut_from_candidates` for one row."""
     if tensor and not p < 1:  # off (1) or out of range: no cut
         return 0.0
-    running, runs = 0.0, []
-    for x in candidates:
-        running += x if x > floor else 0.0
-        runs.append(running)
-    target = p * (running + ties * floor)
-    for x, reached in zip(candidates, runs, strict=True):
-        if reached >= target:
-            return x
-    return floor
+    # The float64 masses left to right, as torch's cumsum; they never decrease, so the first
+    # one reaching the target is found by bisection.
+    runs = list(accumulate(x if x > floor else 0.0 for x in candidates))
+    target = p * (runs[-1] + ties * floor)
+    first = bisect_left(runs, target)
+    return candidates[first] if first < len(runs) else floor
+
+
+_block = tuple.__new__
 
 
 class Block(NamedTuple):
     """A block holding kept weights: its index, its float32 sum, its nonzero entries
-    ``(column in the block, weight)`` in column order (one or two)."""
+    ``(column in the block, weight)`` in column order."""
 
     index: int
     total: float
@@ -113,27 +112,49 @@ class Block(NamedTuple):
 
 
 def block_values(
-    kept: Sequence[Sequence[float]], ids: Sequence[Sequence[int]]
-) -> list[list[Block]] | None:
-    """Per row, the blocks holding kept weights, in block order, or None if a block holds
-    three or more (its sum is torch's). ``kept``, ``ids``: the candidates' kept weights and
-    token ids; no other entry is kept (the caller checked)."""
-    out = []
+    kept: Sequence[Sequence[float]], ids: Sequence[Sequence[int]], width: int
+) -> list[list[Block]]:
+    """Per row, the blocks holding kept weights, in block order. ``kept``, ``ids``: the
+    candidates' kept weights and token ids (below ``width``, the even-width weight buffer's);
+    no other entry is kept (the caller checked). A block holding three or more is summed by
+    torch as the general path sums it (:func:`~fastsample.ops.inverse_cdf.tile_sums`, one
+    call for all of them): that order is the vectorized one."""
+    out, crowded = [], []
     for weights, columns in zip(kept, ids, strict=True):
-        per_block: dict[int, list[tuple[int, float]]] = {}
-        for weight, column in zip(weights, columns, strict=True):
-            if weight > 0:
-                entries = per_block.setdefault(column // BLOCK, [])
-                if len(entries) == 2:
-                    return None
-                entries.append((column % BLOCK, weight))
-        row = []
-        for block, entries in sorted(per_block.items()):
-            entries.sort()
-            total = entries[0][1] if len(entries) == 1 else _f32(entries[0][1] + entries[1][1])
-            row.append(Block(block, total, entries))
+        entries = sorted((c, w) for c, w in zip(columns, weights, strict=True) if w > 0)
+        row: list[Block] = []
+        start, count = 0, len(entries)
+        while start < count:  # the runs of entries in one block
+            block = entries[start][0] // BLOCK
+            end = start + 1
+            while end < count and entries[end][0] // BLOCK == block:
+                end += 1
+            members = [(c - block * BLOCK, w) for c, w in entries[start:end]]
+            if end - start > 2:
+                crowded.append((len(out), len(row)))
+                total = 0.0  # below
+            elif end - start == 2:
+                total = _f32(members[0][1] + members[1][1])
+            else:
+                total = members[0][1]
+            row.append(_block(Block, (block, total, members)))  # no Python-level __new__
+            start = end
         out.append(row)
+    if crowded:
+        sums = _tile_sums([out[b][i] for b, i in crowded], width)
+        for (b, i), total in zip(crowded, sums, strict=True):
+            out[b][i] = out[b][i]._replace(total=total)
     return out
+
+
+def _tile_sums(blocks: list[Block], width: int) -> list[float]:
+    """The float32 sums of ``blocks`` laid out in ``BLOCK`` tiles, as torch sums them."""
+    tiles = torch.zeros(len(blocks), BLOCK, dtype=torch.float32)
+    places = [(t, column, weight) for t, b in enumerate(blocks) for column, weight in b.entries]
+    rows, columns, weights = zip(*places, strict=True)
+    tiles.index_put_((torch.tensor(rows), torch.tensor(columns)),
+                     torch.tensor(weights, dtype=torch.float32))  # fmt: skip
+    return tile_sums(tiles, torch.tensor([b.index for b in blocks]), width).tolist()
 
 
 def draw_one(

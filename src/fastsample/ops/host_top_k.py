@@ -22,8 +22,8 @@ call needs (about a hundred at B=1 instead of ~300; ``docs/cpu-primitive-costs.m
 4. the blocked inverse CDF (:func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw`), which
    returns the drawn tokens' kept weights as well, and the top-N from the candidates.
 
-For one or two rows and one draw, steps 3-4's scalar work (the cuts, the block sums, the
-block and entry choices) is done in Python floats (:mod:`.host_floats`, the same numbers).
+One or two rows with one draw go to :mod:`.host_rows` first (the scalar work in Python
+floats, ~20 tensor ops); this module serves them when that declines.
 
 Anything else (NaN or mostly masked rows, greedy rows of a tensor temperature, ties at the
 k-th weight beyond the candidates, a vocabulary of fewer blocks than ``need``) returns None
@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import host_floats, threads
+from . import threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums
 from .noise import UniformSource
@@ -67,6 +67,8 @@ class HostDrawn(NamedTuple):
     weights: Tensor  # (B, n) float64 kept weights of the drawn tokens
     top_ids: Tensor | None  # (B, N) the N largest logits' ids, ties by the lower index
     top_weights: Tensor | None  # (B, N) float64 their kept weights
+    clean: bool = False  # every row valid and every draw genuine, known on the host
+    token_probs: tuple[Tensor, Tensor] | None = None  # (B, n) float32 probs and logprobs
 
 
 def _host_list(value: object, batch: int) -> list:
@@ -143,15 +145,7 @@ def draw(
         distinct = all(found_flags[1:])
     elif not bool(common.all()):
         return None
-    # A few rows, one draw: the cuts in Python floats (host_floats), bitwise these ops'.
-    few = batch <= host_floats.HOST_ROWS and num_samples == 1
-    if few:
-        scales = host_floats.scales(
-            wide_weights.tolist(), wide_values.tolist(), k_rows, count, controls
-        )
-        scale = torch.tensor(scales, dtype=torch.float32, device=logits.device)[:, None]
-    else:
-        scale = _scale(wide_weights, wide_values, cut_k, x_k, count, controls)
+    scale = _scale(wide_weights, wide_values, cut_k, x_k, count, controls)
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
         return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
@@ -165,19 +159,13 @@ def draw(
         return keep(torch.where(columns < vocab, w, 0.0))  # the buffer's padding weighs 0
 
     kept = keep(wide_weights.clone())
-    drew = None
-    if few:  # the block sums and the draw in Python floats (host_floats), when they can be
-        drew = _few_rows_draw(kept, ids[:, :wide], blocks, width, source)
-    if drew is not None:
-        token_ids, genuine, total, weights = drew
-    else:
-        sums = _block_sums(kept, ids[:, :wide], blocks, width).to(torch.float64)
-        shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
-        drawn: list[Tensor] = []
-        token_ids, genuine, total = inverse_cdf_draw(
-            shape, num_samples, source, sums=sums, read=read, weights_out=drawn
-        )
-        weights = drawn[0] if num_samples == 1 else torch.cat(drawn, dim=1)
+    sums = _block_sums(kept, ids[:, :wide], blocks, width).to(torch.float64)
+    shape = torch.empty((), dtype=torch.float32, device=logits.device).expand(batch, width)
+    drawn: list[Tensor] = []
+    token_ids, genuine, total = inverse_cdf_draw(
+        shape, num_samples, source, sums=sums, read=read, weights_out=drawn
+    )
+    weights = drawn[0] if num_samples == 1 else torch.cat(drawn, dim=1)
     valid = (total > 0) & (total < math.inf)
     if not _controls_fine(controls, t_rows, batch):
         from .weights import controls_in_range
@@ -221,38 +209,6 @@ def _scale(
     if cut_min is not None:
         cut = torch.maximum(cut, cut_min)
     return cut.clamp_min(CUT_FLOOR[torch.float32])[:, None]
-
-
-def _few_rows_draw(
-    kept: Tensor, ids: Tensor, blocks: int, width: int, source: UniformSource
-) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-    """One draw for a few rows with the block sums and the inverse CDF in Python floats
-    (:mod:`.host_floats`): ``(token_ids, genuine, total, weights)`` as
-    :func:`~fastsample.ops.inverse_cdf.inverse_cdf_draw` gives them, or None before any
-    uniform is drawn (a block holds three or more kept weights: torch sums it; or a row keeps
-    nothing: an out-of-range tensor setting, flagged invalid by the tensor path)."""
-    batch = kept.shape[0]
-    device = kept.device
-    rows = host_floats.block_values(kept.tolist(), ids.tolist())
-    if rows is None or not all(rows):  # a crowded block, or nothing kept (a bad setting)
-        return None
-    # The float64 table of block sums, for its total: torch's sum over the row (its order).
-    table = torch.zeros(batch * blocks, dtype=torch.float64, device=device)
-    places = [b * blocks + block.index for b, row in enumerate(rows) for block in row]
-    table.index_put_((torch.tensor(places, device=device),),
-                     torch.tensor([block.total for row in rows for block in row],
-                                  dtype=torch.float64, device=device))  # fmt: skip
-    total = table.view(batch, blocks).sum(-1)
-    uniforms = (
-        source.host_row_uniforms(1)
-        if hasattr(source, "host_row_uniforms")
-        else source.row_uniforms(1).tolist()
-    )
-    tokens, weights = host_floats.draw_one(rows, [u[0] for u in uniforms], width)
-    token_ids = torch.tensor(tokens, device=device)[:, None]
-    genuine = torch.ones((batch, 1), dtype=torch.bool, device=device)
-    drawn = torch.tensor(weights, dtype=torch.float64, device=device)[:, None]
-    return token_ids, genuine, total, drawn
 
 
 _NEG_INF = torch.full((), -math.inf, dtype=torch.float32)

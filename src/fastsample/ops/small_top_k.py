@@ -62,7 +62,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import host_top_k
+from . import host_rows, host_top_k
 from .cuts import BELOW_ONE, CUT_FLOOR, as_rows, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums, tile_sums
 from .noise import UniformSource
@@ -121,6 +121,10 @@ class Drawn(NamedTuple):
     weights: Tensor | None = None  # (B, n) float64 kept weights of the drawn ids, or None
     top_ids: Tensor | None = None  # (B, N) the N largest, ties by the lower index, or None
     top_weights: Tensor | None = None  # (B, N) float64 their kept weights
+    clean: bool = False  # every row valid and every draw genuine, known on the host
+    # (B, n) float32 probabilities and log-probabilities of the drawn ids, as
+    # stages.output.finish computes them for clean rows, when the draw computed them
+    token_probs: tuple[Tensor, Tensor] | None = None
 
 
 def host_readable(value: Tensor) -> bool:
@@ -185,11 +189,16 @@ def draw(
     if host_readable(logits):
         count = candidate_count(controls, logits.shape[1])
         assert count is not None
-        got = host_top_k.draw(logits, maxima, controls, count, num_samples, source, num_top)
+        got = None
+        if num_samples == 1 and logits.shape[0] <= host_rows.ROWS:
+            got = host_rows.draw(logits, maxima, controls, count, source, num_top)
+        if got is None:
+            got = host_top_k.draw(logits, maxima, controls, count, num_samples, source, num_top)
         if got is not None:
             return Drawn(
                 got.token_ids, got.genuine, got.total, got.valid, got.read, maxima,  # type: ignore[arg-type]
                 weights=got.weights, top_ids=got.top_ids, top_weights=got.top_weights,
+                clean=got.clean, token_probs=got.token_probs,
             )  # fmt: skip
     return _draw_from_maxima(logits, maxima, controls, num_samples, source)
 

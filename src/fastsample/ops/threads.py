@@ -62,10 +62,12 @@ SERIAL_ENV = "FASTSAMPLE_CPU_SERIAL"
 
 
 def serial_passes(device: torch.device, elements: int) -> bool:
-    """Whether a pass over ``elements`` runs in pieces under the grain: CPU eager, and
-    ``FASTSAMPLE_CPU_SERIAL`` is ``1`` (always), ``0`` (never) or unset (below
-    :data:`PARALLEL_PASS_ELEMENTS`). Read at every call."""
+    """Whether a pass over ``elements`` runs in pieces under the grain: CPU eager, more than
+    one torch thread, and ``FASTSAMPLE_CPU_SERIAL`` is ``1`` (always), ``0`` (never) or unset
+    (below :data:`PARALLEL_PASS_ELEMENTS`). Read at every call."""
     if device.type != "cpu" or torch.compiler.is_compiling() or elements < GRAIN:
+        return False
+    if torch.get_num_threads() == 1:  # no region can open: one op is fewer dispatches
         return False
     setting = os.environ.get(SERIAL_ENV, "")
     if setting in ("", "auto"):

@@ -116,9 +116,14 @@ def draw(
             genuine = torch.where(got.greedy[:, None], greedy_genuine, genuine)
         # CPU eager (the draw's weights came back): one host read spares the bad-row policy's
         # ops when every row is clean.
-        clean = got.weights is not None and bool((got.valid[:, None] & genuine).all())
-        out = finish(logits, token_ids, genuine, got.total, got.valid, got.read, got.weights,
-                     clean)  # fmt: skip
+        clean = got.clean or (
+            got.weights is not None and bool((got.valid[:, None] & genuine).all())
+        )
+        if got.token_probs is not None:  # finish()'s numbers, computed by the draw
+            out = SampleOutput(token_ids, got.token_probs[0], got.valid, got.token_probs[1])
+        else:
+            out = finish(logits, token_ids, genuine, got.total, got.valid, got.read,
+                         got.weights, clean)  # fmt: skip
         if got.greedy is not None:  # a point mass, as below
             out = _point_masses(out, got.valid, genuine, got.greedy)
         if num_top and got.top_ids is not None:  # the top-N came with the draw (CPU eager)

@@ -99,13 +99,15 @@ def _prepare(
     rows: Tensor | None = None,
     extra: Tensor | None = None,
     scratch_ok: bool = False,
+    kernel_declined: bool = False,
 ) -> _Prepared:
     """Stages a-c: the logits the controls read (a buffer of ours when a stage is on: with
-    ``scratch_ok``, the calling thread's kept one, :mod:`fastsample.ops.scratch`)."""
+    ``scratch_ok``, the calling thread's kept one, :mod:`fastsample.ops.scratch`).
+    ``kernel_declined``: the caller found that :func:`kernel_step.applies` does not hold."""
     batch = source.shape[0]
     dtype = compute_dtype(source.dtype)
     scores = v.detached(source)
-    if not raw_wanted and kernel_step.applies(source, params, words):  # FASTSAMPLE_BACKEND
+    if not (raw_wanted or kernel_declined) and kernel_step.applies(source, params, words):
         staged = kernel_step.staged(scores, is_logits, params, state, words, indices, output_len,
                                     rows, extra)  # fmt: skip
         return _Prepared(scores if staged is None else staged, None, is_logits, params.rows_ok)
@@ -214,7 +216,7 @@ def sample_step(
                                        words, indices, output_len, rng)  # fmt: skip
     raw_mode = params.logprobs_mode == "raw"
     ready = _prepare(source, logits is not None, params, state, words, indices, output_len,
-                     raw_mode, scratch_ok=True)  # fmt: skip
+                     raw_mode, scratch_ok=True, kernel_declined=True)  # fmt: skip
     drawn = draw(
         ready.scores, ready.is_logits, params.controls, params.num_samples, rng,
         0 if raw_mode else params.top_logprobs, want_greedy=params.token_ranks,

@@ -1,0 +1,287 @@
+"""One draw for one or two rows on CPU in eager mode: after the block maxima, ~20 tensor ops.
+
+At B = 1-2 (where CPU serving runs) every tensor op costs a few microseconds whatever its
+size, and the call is a chain of them: :mod:`.host_top_k`'s tensor steps are ~100 ops and
+~0.3 ms at V = 128,256. Here the tensors only do what needs their numbers (a pass or a
+selection over many entries, ``exp``, torch's summation orders); every scalar step runs in
+Python floats on ~50 candidates, with exactly the numbers of the general path:
+
+1. the ``need`` blocks with the largest maxima (``need`` = ``max(k)`` plus spares for ties,
+   plus one), copied out (``need * BLOCK`` entries, under the parallel grain); the maxima of
+   their groups of 32, the ``need`` best groups, and the ``need`` largest entries among those:
+   the ``need`` largest entries of the row (each of the row's ``need`` largest is in one of
+   ``need`` groups whose maxima reach it);
+2. the candidates' weights: ``x - peak`` and ``/ T`` in Python (float32 subtraction and
+   division, correctly rounded, are the float64 result rounded once to float32), ``exp`` by
+   torch (its rounding is its own), with the float32 just below the k-th logit weighed
+   alongside: the same check as :mod:`.host_top_k` that the candidates hold every entry
+   that can be kept;
+3. the cuts (:func:`.host_floats.scales`), the kept weights (``w / s``, rounded to float32,
+   and the threshold), the blocks holding them (:func:`.host_floats.block_values`, a block
+   of three or more summed by torch as the general path sums it) and the draw
+   (:func:`.host_floats.draw_one`), its uniform from the host
+   (:meth:`~.seeds.CounterSource.host_row_uniforms`);
+4. the outputs: the row's total (torch's float64 sum over its block table, the general
+   path's order), the drawn ids and weights and, for clean rows, their probabilities and
+   log-probabilities (:func:`~fastsample.stages.output.finish`'s numbers), the top-N in the
+   order of value then index.
+
+Anything it does not serve (a NaN, ``+inf`` or mostly masked row, greedy rows, a temperature
+below float32's tiny, ties at the k-th weight beyond the candidates, too many candidates for
+a piece under the grain, two or more draws) returns None before any uniform is drawn, and
+:mod:`.host_top_k` serves the call.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from array import array
+
+import torch
+from torch import Tensor
+
+from . import host_floats
+from .cuts import BELOW_ONE
+from .host_top_k import _TIE_SPARES, HostDrawn, _controls_fine, _host_list
+from .inverse_cdf import BLOCK
+from .noise import UniformSource
+from .threads import GRAIN
+from .validation import Controls
+
+ROWS = host_floats.HOST_ROWS
+"""Rows up to which :func:`draw` serves a call (with one draw)."""
+
+_GROUP = 32  # entries per group: a candidate block is 8 groups
+_TINY = torch.finfo(torch.float32).tiny
+_BELOW_ONE = BELOW_ONE[torch.float32]
+_F32 = struct.Struct("<f")
+_I32 = struct.Struct("<i")
+
+
+def _rounded(values: list[float]) -> array:
+    """``values`` rounded to float32 (to nearest, ties to even; past float32's range, an
+    infinity, as torch's float32 arithmetic gives it), all in one C loop."""
+    return array("f", values)
+
+
+def _below(value: float) -> float:
+    """The largest float32 below the finite float32 ``value`` (``torch.nextafter`` to -inf)."""
+    if value == 0.0:
+        return -(2.0**-149)
+    bits = _I32.unpack(_F32.pack(value))[0]
+    return _F32.unpack(_I32.pack(bits - 1 if value > 0 else bits + 1))[0]
+
+
+def _divisors(temperature: object, t_rows: list) -> list[float | None] | None:
+    """Each row's float32 temperature divisor as :func:`.host_top_k._divisor` applies it
+    (None: no division), or None where a row needs :func:`~.weights.temperature_divisor`."""
+    if not isinstance(temperature, Tensor):
+        if temperature is None or temperature == 0.0:
+            return [None] * len(t_rows)
+        return [_rounded([max(float(temperature), _TINY)])[0]] * len(t_rows)  # type: ignore[arg-type]
+    if all(_TINY <= t < math.inf for t in t_rows):
+        return list(_rounded(t_rows))
+    return None
+
+
+def draw(
+    logits: Tensor,
+    maxima: Tensor,
+    controls: Controls,
+    count: int,
+    source: UniformSource,
+    num_top: int,
+) -> HostDrawn | None:
+    """One draw per row of :func:`fastsample.ops.small_top_k.draw` for at most :data:`ROWS`
+    CPU rows in eager mode (``logits`` float32 or half, ``maxima`` its block maxima,
+    ``count`` the largest ``k``), or None (decided before any uniform is drawn)."""
+    batch, vocab = logits.shape
+    blocks = maxima.shape[1]
+    spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1)
+    wide = max(count + spare, num_top)  # more candidates change no number, only the work
+    need = wide + 1
+    if not 0 < batch <= ROWS or need > blocks or need * BLOCK >= GRAIN:
+        return None
+    temperature = controls.temperature
+    t_rows = _host_list(temperature, batch)
+    divisors = _divisors(temperature, t_rows)
+    if divisors is None or (isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows)):
+        return None  # greedy, invalid or sub-tiny temperatures: the tensor steps
+    chosen = torch.topk(maxima, need, dim=1, sorted=False)
+    # The row maximum from every block (a NaN propagates: topk need not pick a NaN block).
+    peaks = maxima.amax(-1).tolist()
+    chosen_maxima = chosen.values.tolist()
+    rows_ok = zip(chosen_maxima, peaks, strict=True)
+    if not all(-math.inf < min(row) and peak < math.inf for row, peak in rows_ok):
+        return None  # a NaN, +inf or mostly masked row (NaN fails every comparison)
+    values, ids = _largest(logits, chosen.indices, need)  # per row, largest first
+    if isinstance(controls.top_k, Tensor):
+        k_rows = [min(max(k, 1), count) for k in controls.top_k.tolist()]
+    else:
+        k_rows = [count] * batch
+    # The candidates' logits and the float32 below each k-th one, scaled as the tensor path
+    # scales them, then one exp for all: weights[b][wide] weighs that lower float.
+    scaled = []
+    for row, peak, divisor, k in zip(values, peaks, divisors, k_rows, strict=True):
+        if not row[wide] < row[k - 1]:
+            return None  # an entry outside the candidates may tie the k-th
+        if num_top and not row[num_top - 1] > row[wide]:
+            return None  # the num_top largest are not all candidates
+        shifted = _rounded([x - peak for x in row[:wide]] + [_below(row[k - 1]) - peak])
+        scaled.append(shifted if divisor is None else _rounded([x / divisor for x in shifted]))
+    weights = torch.tensor(scaled, dtype=torch.float32).exp_().tolist()
+    for row, k in zip(weights, k_rows, strict=True):
+        if not row[wide] < row[k - 1]:
+            return None  # the float below x_k weighs as much: more entries reach the cut
+    scales = host_floats.scales(
+        [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, controls
+    )
+    kept = []
+    for row, scale in zip(weights, scales, strict=True):
+        quotients = _rounded([w / scale for w in row[:wide]])  # keep_at_least, in float32
+        kept.append([q if q > _BELOW_ONE else 0.0 for q in quotients])
+    width = vocab + vocab % 2  # the general path's even-width weight buffer
+    rows = host_floats.block_values(kept, [row[:wide] for row in ids], width)
+    if not all(rows):
+        return None  # nothing kept: an out-of-range tensor setting (the tensor path flags it)
+    uniforms = (
+        source.host_row_uniforms(1)
+        if hasattr(source, "host_row_uniforms")
+        else source.row_uniforms(1).tolist()
+    )
+    tokens, drawn = host_floats.draw_one(rows, [u[0] for u in uniforms], width)
+    device = logits.device
+    # The float64 table of block sums, for the total: torch's sum over the row (its order).
+    table = array("d", bytes(8 * batch * blocks))
+    for b, row in enumerate(rows):
+        for block in row:
+            table[b * blocks + block.index] = block.total
+    total = torch.frombuffer(table, dtype=torch.float64).view(batch, blocks).sum(-1)
+    valid = torch.ones(batch, dtype=torch.bool, device=device)  # every row keeps a weight
+    clean = _controls_fine(controls, t_rows, batch)
+    token_probs = None
+    if clean:  # every row valid: the drawn tokens' probabilities, as finish() computes them
+        token_probs = _token_probs(drawn, total.tolist(), device)
+    else:
+        from .weights import controls_in_range
+
+        valid = valid & controls_in_range(controls, batch, device)
+    top_ids = top_weights = None
+    if num_top:
+        order = [
+            _by_value_then_index(row, where, num_top)
+            for row, where in zip(values, ids, strict=True)
+        ]
+        top_ids = torch.tensor([[ids[b][i] for i in o] for b, o in enumerate(order)],
+                               device=device)  # fmt: skip
+        top_weights = torch.tensor([[kept[b][i] for i in o] for b, o in enumerate(order)],
+                                   dtype=torch.float64, device=device)  # fmt: skip
+    read = _reader(logits, peaks, divisors, scales)
+    if batch == 1:  # torch.full takes a Python number in a third of torch.tensor's time
+        token_ids = torch.full((1, 1), tokens[0], device=device)
+        weights = torch.full((1, 1), drawn[0], dtype=torch.float64, device=device)
+    else:
+        token_ids = torch.tensor(tokens, device=device)[:, None]
+        weights = torch.tensor(drawn, dtype=torch.float64, device=device)[:, None]
+    genuine = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    return HostDrawn(
+        token_ids, genuine, total, valid, read, weights, top_ids, top_weights, clean, token_probs
+    )
+
+
+def _largest(logits: Tensor, blocks: Tensor, need: int) -> tuple[list, list]:
+    """Per row the ``need`` largest entries (values largest first, and their ids) from the
+    candidate ``blocks`` (``(B, need)``), as many rows at a time as stay under the grain."""
+    rows = max(1, (GRAIN - 1) // (need * BLOCK))
+    if logits.shape[0] <= rows:
+        return _largest_in_piece(logits, blocks, need)
+    values, ids = [], []
+    for first in range(0, logits.shape[0], rows):
+        got = _largest_in_piece(logits[first : first + rows], blocks[first : first + rows], need)
+        values += got[0]
+        ids += got[1]
+    return values, ids
+
+
+def _largest_in_piece(logits: Tensor, blocks: Tensor, need: int) -> tuple[list, list]:
+    """:func:`_largest` for rows whose candidate blocks hold fewer entries than the grain:
+    their copy, its group maxima, the ``need`` best groups, the ``need`` best of their
+    entries."""
+    batch, vocab = logits.shape
+    device = logits.device
+    full = vocab // BLOCK
+    per_block = BLOCK // _GROUP
+    if vocab % BLOCK == 0 and logits.is_contiguous():  # whole blocks: rows of a block view
+        rows = blocks
+        if batch > 1:
+            rows = blocks + torch.arange(0, batch * full, full, device=device)[:, None]
+        content = logits.view(batch * full, BLOCK).index_select(0, rows.view(-1))
+    else:  # a short last block or strided rows: gathered columns, the padding at -inf
+        columns = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK, device=device)).view(batch, -1)
+        content = logits.gather(1, columns.clamp_max(vocab - 1))
+        if vocab % BLOCK:
+            content.masked_fill_(columns >= vocab, -math.inf)
+    groups = content.view(batch, need * per_block, _GROUP)
+    best_groups = torch.topk(groups.amax(-1), need, dim=1, sorted=False).indices
+    if batch > 1:  # as rows of the flat group view
+        best_groups = best_groups + torch.arange(
+            0, batch * need * per_block, need * per_block, device=device
+        )[:, None]
+    picked = content.view(-1, _GROUP).index_select(0, best_groups.view(-1))
+    best = torch.topk(picked.view(batch, need * _GROUP), need, dim=1)
+    values, places = best.values.tolist(), best.indices.tolist()
+    group_rows, block_rows = best_groups.tolist(), blocks.tolist()
+    ids = []
+    for b in range(batch):
+        block_of, first = block_rows[b], b * need * per_block
+        # The id of each picked group's first entry: its block's, plus its place in the block.
+        starts = [
+            block_of[group // per_block] * BLOCK + group % per_block * _GROUP
+            for group in (g - first for g in group_rows[b])
+        ]
+        ids.append([starts[place // _GROUP] + place % _GROUP for place in places[b]])
+    return values, ids
+
+
+def _token_probs(drawn: list[float], totals: list[float], device: torch.device):
+    """``(probs, logprobs)`` ``(B, 1)`` float32 of the drawn weights over the rows' totals,
+    bitwise :func:`fastsample.stages.output.finish`'s: a float64 quotient (Python's is the
+    same IEEE division), the difference of torch's float64 logs (one op for all of them, the
+    same function per element), each rounded once to float32."""
+    batch = len(drawn)
+    logs = torch.tensor(drawn + totals, dtype=torch.float64).log_().tolist()
+    probs = [d / t for d, t in zip(drawn, totals, strict=True)]
+    logprobs = [logs[b] - logs[batch + b] for b in range(batch)]
+    if batch == 1:
+        return (torch.full((1, 1), probs[0], dtype=torch.float32, device=device),
+                torch.full((1, 1), logprobs[0], dtype=torch.float32, device=device))  # fmt: skip
+    return (torch.tensor(probs, dtype=torch.float32, device=device)[:, None],
+            torch.tensor(logprobs, dtype=torch.float32, device=device)[:, None])  # fmt: skip
+
+
+def _by_value_then_index(values: list, ids: list, num: int) -> list[int]:
+    """Positions of the ``num`` largest candidates, ties by the lower id (the candidates come
+    largest first; only equal values need reordering)."""
+    if all(values[i] > values[i + 1] for i in range(num)):  # no tie at or across the num-th
+        return list(range(num))
+    return sorted(range(len(values)), key=lambda i: (-values[i], ids[i]))[:num]
+
+
+def _reader(logits: Tensor, peaks: list, divisors: list, scales: list):
+    """``read(columns)``: the kept weights at ``(B, c)`` columns below the even width, as the
+    general path's weight buffer holds them (the padding column weighs 0)."""
+    vocab = logits.shape[1]
+
+    def read(columns: Tensor) -> Tensor:
+        device = logits.device
+        best = torch.tensor(peaks, dtype=torch.float32, device=device)[:, None]
+        x = logits.gather(1, columns.clamp_max(vocab - 1))
+        w = torch.sub(x, best, out=torch.empty(x.shape, dtype=torch.float32, device=device))
+        if divisors[0] is not None:
+            w.div_(torch.tensor(divisors, dtype=torch.float32, device=device)[:, None])
+        w.exp_().div_(torch.tensor(scales, dtype=torch.float32, device=device)[:, None])
+        kept = torch.nn.functional.threshold_(w, _BELOW_ONE, 0.0)
+        return kept if vocab % 2 == 0 else torch.where(columns < vocab, kept, 0.0)
+
+    return read

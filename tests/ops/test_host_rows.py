@@ -1,0 +1,116 @@
+"""One or two rows in Python floats (fastsample.ops.host_rows) against the general path.
+
+The path must be invisible: every output equals the general path's bit for bit (which
+test_controls holds to the float64 reference), on rows chosen to reach its special cases:
+blocks holding three or more kept weights (summed by torch), a short last block, strided
+rows, bfloat16 logits with ties among the top-N, per-row and Python controls in both cut
+orders, temperatures where float32's division rounds. Negative control: the same comparison
+catches the path with its float32 roundings left out (the weights then differ in their last
+bits, and so do the cuts, the kept sets or the probabilities).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import fastsample as fs
+from fastsample.ops import host_floats, host_rows, small_top_k
+
+
+def _rows(batch: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.5, 3.0])[:batch, None]  # a flat row (crowded blocks) and a peaked one
+    return (torch.randn(batch, vocab, generator=gen) * scale).to(dtype)
+
+
+CASES = {  # name: (vocab, dtype, strided)
+    "float32": (25_600, torch.float32, False),  # 100 blocks: 50 candidates crowd some
+    "short last block": (25_000, torch.float32, False),
+    "strided": (25_600, torch.float32, True),
+    "bfloat16": (25_600, torch.bfloat16, False),  # ties among the candidates and the top-N
+}
+
+
+def _compare(monkeypatch, batch: int) -> tuple[int, int, list]:
+    """``(served, crowded, mismatches)`` over the cases and control mixes."""
+    served = crowded = 0
+    draw, tile_sums = host_rows.draw, host_floats._tile_sums
+
+    def spy(*args):
+        nonlocal served
+        got = draw(*args)
+        served += got is not None
+        return got
+
+    def spy_tiles(blocks, width):
+        nonlocal crowded
+        crowded += len(blocks)
+        return tile_sums(blocks, width)
+
+    monkeypatch.setattr(host_rows, "draw", spy)
+    monkeypatch.setattr(host_floats, "_tile_sums", spy_tiles)
+    t_rows = torch.tensor([0.7, 1.3])[:batch]
+    mixes = [
+        dict(temperature=t_rows, top_k=torch.tensor([50, 20])[:batch], top_p=0.9),
+        dict(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02, cut_order="vllm"),
+        dict(temperature=1 / 3, top_k=40, min_p=torch.tensor([0.01, 0.1])[:batch]),
+        dict(top_k=60, top_p=torch.tensor([0.8, 1.0])[:batch], cut_order="vllm"),
+        dict(temperature=2.0, top_k=50),
+    ]
+    wrong = []
+    for (name, (vocab, dtype, strided)), controls, top, seed in itertools.product(
+        CASES.items(), mixes, (0, 5), range(4)
+    ):
+        x = _rows(batch, vocab + 64 * strided, dtype, seed)
+        if strided:
+            x = x[:, 64:]
+        kwargs = dict(controls, top_logprobs=top, seed=torch.arange(batch) + seed, step=7)
+        fast = fs.sample(x, **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(small_top_k, "applies", lambda *args: False)
+            general = fs.sample(x, **kwargs)
+        for field in fast._fields:
+            a, b = getattr(fast, field), getattr(general, field)
+            if not ((a is None and b is None) or torch.equal(a, b)):
+                wrong.append((name, field, kwargs))
+    return served, crowded, wrong
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_or_two_rows_draw_bitwise_what_the_general_path_draws(monkeypatch, batch):
+    served, crowded, wrong = _compare(monkeypatch, batch)
+    assert wrong == []
+    calls = len(CASES) * 5 * 2 * 4
+    assert served >= 0.9 * calls, served
+    assert crowded > 0  # blocks of three or more kept weights were summed by torch
+
+
+def test_negative_control_without_the_float32_roundings_is_caught(monkeypatch):
+    monkeypatch.setattr(host_rows, "_rounded", list)  # float64 arithmetic left unrounded
+    _, _, wrong = _compare(monkeypatch, 1)
+    assert len(wrong) > 0
+
+
+def test_declines_what_it_does_not_serve(monkeypatch):
+    """NaN rows, greedy rows of a tensor temperature and two draws go to the tensor steps
+    (same results as the general path there too)."""
+    calls = []
+    draw = host_rows.draw
+    monkeypatch.setattr(host_rows, "draw", lambda *a: calls.append(draw(*a)) or calls[-1])
+    x = torch.randn(2, 4096)
+    nan = x.clone()
+    nan[0, 1234] = torch.nan
+    seeded = dict(top_k=20, top_logprobs=2, seed=torch.tensor([3, 4]), step=5)
+    for logits, temperature in ((nan, 0.8), (x, torch.tensor([0.0, 0.8]))):
+        fast = fs.sample(logits, temperature=temperature, **seeded)
+        with monkeypatch.context() as patch:
+            patch.setattr(small_top_k, "applies", lambda *args: False)
+            general = fs.sample(logits, temperature=temperature, **seeded)
+        for a, b in zip(fast, general, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert calls == [None, None]
+    fs.sample(x, top_k=20, num_samples=2)
+    assert len(calls) == 2  # two draws never ask it
