@@ -322,12 +322,11 @@ def block_maxima(values: Tensor) -> Tensor:
     """``(B, ceil(V / BLOCK))`` maxima of consecutive blocks (NaN propagates)."""
     batch, vocab = values.shape
     full = vocab // BLOCK
-    whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
     if threads.serial_passes(values.device, batch * full * BLOCK):
         out = torch.empty(batch, full, dtype=values.dtype, device=values.device)
         parts = [threads.blockwise_(values, out, BLOCK, "amax")]
     else:  # one op: a parallel region over a long input (fastsample.ops.threads)
-        parts = [whole.amax(-1)]
+        parts = [values[:, : full * BLOCK].reshape(batch, full, BLOCK).amax(-1)]
     if vocab % BLOCK:
         parts.append(values[:, full * BLOCK :].amax(-1, keepdim=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

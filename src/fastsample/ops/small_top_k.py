@@ -158,22 +158,25 @@ def candidate_count(controls: Controls, vocab: int) -> int | None:
     return largest if largest < vocab and largest <= CANDIDATE_MAX_K else None
 
 
-def applies(logits: Tensor | None, controls: Controls) -> bool:
-    """Whether :func:`draw` serves this call (otherwise the general path does)."""
+def applies(logits: Tensor | None, controls: Controls) -> int | None:
+    """Whether :func:`draw` serves this call (otherwise the general path does): its
+    :func:`candidate_count` (at least 1) if so, else None."""
     if logits is None or logits.dtype not in _DTYPES:
-        return False
+        return None
     batch, vocab = logits.shape
     t = controls.temperature
-    return (
-        batch > 0
-        and vocab >= BLOCK
-        and (t is None or isinstance(t, Tensor) or t > 0)
-        and candidate_count(controls, vocab) is not None
-    )
+    if batch == 0 or vocab < BLOCK or not (t is None or isinstance(t, Tensor) or t > 0):
+        return None
+    return candidate_count(controls, vocab)
 
 
 def draw(
-    logits: Tensor, controls: Controls, num_samples: int, source: UniformSource, num_top: int = 0
+    logits: Tensor,
+    controls: Controls,
+    num_samples: int,
+    source: UniformSource,
+    num_top: int = 0,
+    count: int | None = None,
 ) -> Drawn:
     """Draws from the processed distribution of ``logits`` (:func:`applies` holds).
 
@@ -182,12 +185,14 @@ def draw(
     ``greedy_ids`` tell the rows to replace by their first maximal index (drawn at ``T = 1``
     here, like the general path draws them). On CPU in eager mode the result may also carry
     the drawn ids' kept weights and the ``num_top`` largest (:mod:`.host_top_k`).
+    ``count``: :func:`candidate_count`'s value when the caller has it.
     """
     # One pass over the logits (torch's threads), then a chain of small ops
     # (see fastsample.ops.threads).
     maxima = block_maxima(logits)
     if host_readable(logits):
-        count = candidate_count(controls, logits.shape[1])
+        if count is None:
+            count = candidate_count(controls, logits.shape[1])
         assert count is not None
         got = None
         if num_samples == 1 and logits.shape[0] <= host_rows.ROWS:

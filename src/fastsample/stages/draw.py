@@ -106,9 +106,10 @@ def draw(
         rows_ok = _shortcut_ok(controls, batch, source.device)
         out = _all_greedy(source, is_logits, num_samples, rows_ok)
         return Drawn(out, greedy=_all_rows(batch, source.device))
-    if small_top_k.applies(logits, controls):  # the k best blocks and one count
+    count = small_top_k.applies(logits, controls)  # the k best blocks and one count
+    if count:
         assert logits is not None
-        got = small_top_k.draw(logits, controls, num_samples, rng, num_top)
+        got = small_top_k.draw(logits, controls, num_samples, rng, num_top, count)
         token_ids, genuine = got.token_ids.clamp_max_(vocab - 1), got.genuine
         if got.greedy is not None:  # tensor temperature: greedy rows as the general path
             greedy_ids, greedy_genuine = _greedy_draws(logits, True, num_samples, got)
