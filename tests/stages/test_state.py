@@ -124,3 +124,52 @@ def test_update_compiles_without_graph_breaks():
         twin.update(ids)
     for name in ("seen_mask", "output_counts", "output_len"):
         assert torch.equal(getattr(stats, name), getattr(twin, name)), name
+
+
+def _position_sets(stats: fs.TokenStats) -> list[set[int]]:
+    rows: list[set[int]] = [set() for _ in range(stats.batch)]
+    for row, column in stats.seen_positions():
+        assert row.shape[0] < 32768  # every chunk under the grain
+        for b, c in zip(row.tolist(), column.tolist(), strict=True):
+            assert c not in rows[b]  # each seen token once
+            rows[b].add(c)
+    return rows
+
+
+def test_kept_seen_positions_follow_the_updates():
+    """The positions the sparse penalties visit, kept step by step (new tokens only, each
+    once: a token twice in one step, padding, tokens the prompt had), equal a fresh scan of
+    the mask, across chunks of the grain; assign drops them (found again), and penalties
+    with them equal the dense formula bitwise. Negative control: an update that skips the
+    positions leaves them stale, and the comparison sees it."""
+    from fastsample.stages import penalties
+
+    gen = torch.Generator().manual_seed(12)
+    batch, vocab = 70, 5003  # a partial last word; 70 rows x ~500 tokens: several chunks
+    prompts = torch.randint(0, vocab, (batch, 400), generator=gen)
+    stats = fs.TokenStats.from_prompts(prompts, vocab)
+    assert len(stats.seen_positions()) >= 1
+    for step in range(120):
+        width = 1 if step % 3 else 3
+        tokens = torch.randint(-1, vocab, (batch, width), generator=gen)
+        if width == 3:
+            tokens[:, 1] = tokens[:, 0]  # a token twice in a step
+        tokens[:, 0] = torch.where(torch.rand(batch, generator=gen) < 0.3, prompts[:, 0],
+                                   tokens[:, 0])  # fmt: skip
+        stats.update(tokens)
+    assert len(stats.seen_positions()) >= 2
+    assert _position_sets(stats) == [set(row) for row in seen_ids(stats)]
+    x = torch.randn(batch, vocab, generator=gen) * 3
+    rep, freq = torch.rand(batch, generator=gen) + 0.5, torch.randn(batch, generator=gen)
+    kept = penalties.apply_(x.clone(), stats, rep, freq, 0.3)
+    dense = penalties._dense_(x.clone(), stats, rep, freq, 0.3, torch.arange(batch), None)
+    assert torch.equal(kept, dense)
+    stats.assign([4], fs.TokenStats.from_prompts([[1, 2]], vocab))
+    assert stats._positions is None
+    assert _position_sets(stats)[4] == {1, 2}
+
+    stale = fs.TokenStats.from_prompts(prompts[:4], vocab)
+    stale.seen_positions()
+    stale._add_newly_seen = lambda ids, inside: None  # the planted bug
+    stale.update(torch.full((4, 1), vocab - 2))
+    assert _position_sets(stale) != [set(row) for row in seen_ids(stale)]

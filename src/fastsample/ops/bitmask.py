@@ -7,13 +7,16 @@ masks, 1 = allowed) and the one fastsample keeps for allowed-token lists and for
 request has seen (:class:`fastsample.stages.TokenStats`). 1 bit per token: a 128,256-token
 row is 16,032 bytes.
 
-Everything here is fixed-shape, sync-free torch: scatter and gather over the words.
+Everything here is fixed-shape, sync-free torch (scatter and gather over the words), except
+:func:`set_bits` (the set bits as positions: a data-dependent size, for the CPU's eager paths).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .threads import GRAIN
 
 WORD_BITS = 32
 
@@ -72,3 +75,36 @@ def refresh_words(words: Tensor, word_ids: Tensor, bits: Tensor) -> Tensor:
     (``(B, M, 32)`` bool, lane ``i`` = bit ``i``); duplicate word ids must carry equal bits."""
     lanes = bits.to(torch.int64) << _lanes(bits.device).to(torch.int64)
     return words.scatter_(1, word_ids, as_int32(lanes.sum(-1)))
+
+
+def set_bits(words: Tensor) -> tuple[Tensor, Tensor]:
+    """``(row, column)`` of every set bit of ``(R, W)`` int32 ``words`` (as 64-bit words when
+    ``W`` is even: half as many to scan). The nonzero words are a few hundred per row of a
+    128k vocabulary and most hold one bit, so rounds take each word's lowest set bit (its
+    index is the exponent of a power of two, exact in float64) until the few words left can
+    give all their bits at once (one shift per bit) with fewer entries than the parallel
+    grain."""
+    if words.shape[1] % 2 == 0 and words.is_contiguous():
+        words, bits = words.view(torch.int64), 64
+    else:
+        bits = WORD_BITS
+    row, word = words.nonzero(as_tuple=True)
+    value = words.view(-1).gather(0, row * words.shape[1] + word)
+    if bits == 32:
+        value = value.to(torch.int64).bitwise_and_(0xFFFFFFFF)
+    rows_out, columns_out = [], []
+    while value.shape[0]:
+        if value.shape[0] * bits < GRAIN:  # the rest, every bit at once
+            lanes = torch.arange(bits, device=words.device)
+            which, lane = ((value[:, None] >> lanes) & 1).nonzero(as_tuple=True)
+            rows_out.append(row.index_select(0, which))
+            columns_out.append(word.index_select(0, which).mul_(bits).add_(lane))
+            break
+        low = value & -value  # the lowest set bit (bit 63: the int64 minimum, exponent 64)
+        rows_out.append(row)
+        columns_out.append(torch.frexp(low.to(torch.float64)).exponent.sub_(1).add_(word * bits))
+        left = (value.bitwise_xor_(low) != 0).nonzero().squeeze(1)
+        row, word, value = row[left], word[left], value[left]
+    if len(rows_out) == 1:
+        return rows_out[0], columns_out[0]
+    return torch.cat(rows_out), torch.cat(columns_out)

@@ -17,9 +17,11 @@ Two implementations, one formula (:func:`penalize`), bitwise the same numbers:
 
 * dense (CUDA, ``torch.compile``): the formula over every ``(B, V)`` entry, fixed shapes;
 * sparse (CPU eager, where data-dependent shapes are free, and rows of at least
-  :data:`SPARSE_FROM` tokens): only the seen tokens, read off the seen bitmask's nonzero
-  words (a few hundred per row), gathered, penalized and scattered back. Unseen tokens are
-  unchanged by the formula (``r = 1``, ``c = 0``), so visiting them is never needed.
+  :data:`SPARSE_FROM` tokens): only the seen tokens, gathered, penalized and scattered back.
+  A step's rows take them from the state (:meth:`~fastsample.stages.TokenStats.seen_positions`,
+  kept current step by step); verification's rows map and drafts read them off the seen
+  bitmask's nonzero words (a few hundred per row). Unseen tokens are unchanged by the
+  formula (``r = 1``, ``c = 0``), so visiting them is never needed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..ops import bitmask
-from ..ops.threads import GRAIN, grain_rows
+from ..ops.threads import grain_rows
 from .state import TokenStats
 
 Penalty = float | Tensor | None
@@ -99,7 +101,10 @@ def _dense_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
 
 def _sparse_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
     """The sparse path: rows in pieces whose seen-mask words stay under torch's parallel
-    grain (fastsample.ops.threads), so no op opens a parallel region."""
+    grain (fastsample.ops.threads), so no op opens a parallel region. A step's own rows
+    (no rows map, no drafts) visit the state's kept positions instead of scanning the mask."""
+    if rows is None and extra is None and x.is_contiguous():
+        return _sparse_kept_(x, stats, rep, freq, pres)
     batch = x.shape[0]
     words = stats.seen_mask.shape[1]
     step = grain_rows(batch, words // 2 if words % 2 == 0 else words)
@@ -113,37 +118,20 @@ def _sparse_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
     return x
 
 
-def seen_positions(words: Tensor) -> tuple[Tensor, Tensor]:
-    """``(row, column)`` of every set bit of ``(R, W)`` int32 ``words`` (as 64-bit words when
-    ``W`` is even: half as many to scan). The nonzero words are a few hundred per row of a
-    128k vocabulary and most hold one bit, so rounds take each word's lowest set bit (its
-    index is the exponent of a power of two, exact in float64) until the few words left can
-    give all their bits at once (one shift per bit) with fewer entries than the parallel
-    grain."""
-    if words.shape[1] % 2 == 0 and words.is_contiguous():
-        words, bits = words.view(torch.int64), 64
-    else:
-        bits = bitmask.WORD_BITS
-    row, word = words.nonzero(as_tuple=True)
-    value = words.view(-1).gather(0, row * words.shape[1] + word)
-    if bits == 32:
-        value = value.to(torch.int64).bitwise_and_(0xFFFFFFFF)
-    rows_out, columns_out = [], []
-    while value.shape[0]:
-        if value.shape[0] * bits < GRAIN:  # the rest, every bit at once
-            lanes = torch.arange(bits, device=words.device)
-            which, lane = ((value[:, None] >> lanes) & 1).nonzero(as_tuple=True)
-            rows_out.append(row.index_select(0, which))
-            columns_out.append(word.index_select(0, which).mul_(bits).add_(lane))
-            break
-        low = value & -value  # the lowest set bit (bit 63: the int64 minimum, exponent 64)
-        rows_out.append(row)
-        columns_out.append(torch.frexp(low.to(torch.float64)).exponent.sub_(1).add_(word * bits))
-        left = (value.bitwise_xor_(low) != 0).nonzero().squeeze(1)
-        row, word, value = row[left], word[left], value[left]
-    if len(rows_out) == 1:
-        return rows_out[0], columns_out[0]
-    return torch.cat(rows_out), torch.cat(columns_out)
+def _sparse_kept_(x, stats, rep, freq, pres) -> Tensor:
+    """The sparse path over :meth:`TokenStats.seen_positions` (chunks under the grain): the
+    same formula at the same positions as :func:`_sparse_piece_`, so the same numbers."""
+    vocab = x.shape[1]
+    flat, counts = x.view(-1), stats.output_counts.view(-1)
+    for pos_row, pos_col in stats.seen_positions():
+        where = pos_row * vocab + pos_col
+        seen = torch.ones(where.shape, dtype=torch.bool, device=x.device)
+        values = penalize(
+            flat.gather(0, where), seen, counts.gather(0, where).to(x.dtype),
+            _gather(rep, pos_row), _gather(freq, pos_row), _gather(pres, pos_row),
+        )  # fmt: skip
+        flat.scatter_(0, where, values)
+    return x
 
 
 def _sparse_piece_(x, stats, rep, freq, pres, rows, extra, first) -> Tensor:
@@ -154,7 +142,7 @@ def _sparse_piece_(x, stats, rep, freq, pres, rows, extra, first) -> Tensor:
     else:
         words = stats.seen_mask.index_select(0, rows)
         state_rows = rows
-    pos_row, pos_col = seen_positions(words)
+    pos_row, pos_col = bitmask.set_bits(words)
     if vocab % bitmask.WORD_BITS:  # bits past the vocabulary in the last word: none are set
         inside = pos_col < vocab
         pos_row, pos_col = pos_row[inside], pos_col[inside]

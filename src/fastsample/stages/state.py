@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..ops import bitmask
+from ..ops.threads import GRAIN
 
 
 def counts_dtype(max_output_tokens: int) -> torch.dtype:
@@ -101,6 +102,9 @@ class TokenStats:
         self.output_len = output_len
         self.seen_mask = seen_mask
         self.max_output_tokens = max_output_tokens
+        # The seen tokens as positions, for the CPU's sparse penalties (seen_positions), in
+        # chunks of fewer than GRAIN: None until asked for, then kept current by update().
+        self._positions: list[tuple[Tensor, Tensor]] | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -184,6 +188,38 @@ class TokenStats:
         words = bitmask.words_for(self.vocab)
         return 2 * 4 * words + self.output_counts.element_size() * self.vocab + 8
 
+    def seen_positions(self) -> list[tuple[Tensor, Tensor]]:
+        """The seen tokens (the set bits of ``seen_mask``) as ``(rows, columns)`` int64
+        positions, in chunks of fewer than :data:`~fastsample.ops.threads.GRAIN` (the CPU's
+        sparse penalties visit them; no op on a chunk opens a parallel region).
+
+        CPU eager: found by one scan of the mask on the first call, then kept current by
+        :meth:`update` (the newly seen tokens of a step, a few small ops) until the rows
+        change (:meth:`assign`; :meth:`select` and :meth:`cat` make a new state). The masks
+        change through these methods only."""
+        if self._positions is None:
+            rows, columns = bitmask.set_bits(self.seen_mask)
+            if self.vocab % bitmask.WORD_BITS:  # a bit past the vocabulary means nothing
+                inside = columns < self.vocab
+                rows, columns = rows[inside], columns[inside]
+            self._positions = []
+            self._append_positions(rows, columns)
+        return self._positions
+
+    def _append_positions(self, rows: Tensor, columns: Tensor) -> None:
+        """Add positions to the chunks, filling the last one up to the grain first."""
+        chunks = self._positions
+        assert chunks is not None
+        size = GRAIN - 1
+        start = 0
+        if chunks and chunks[-1][0].shape[0] < size:  # top up the last chunk (a small cat)
+            last_rows, last_columns = chunks[-1]
+            start = size - last_rows.shape[0]
+            chunks[-1] = (torch.cat((last_rows, rows[:start])),
+                          torch.cat((last_columns, columns[:start])))  # fmt: skip
+        for first in range(start, rows.shape[0], size):
+            chunks.append((rows[first : first + size], columns[first : first + size]))
+
     # ------------------------------------------------------------------ each step
 
     def update(self, token_ids: Tensor) -> None:
@@ -203,6 +239,8 @@ class TokenStats:
         if kernel_backend.use_triton(self.device.type):  # one launch (kernels/stats.py)
             from ..kernels import step_ops
 
+            self._positions = None
+
             step_ops.update(self.output_counts, self.output_len, self.seen_mask,
                             self.prompt_mask, token_ids)  # fmt: skip
             return
@@ -219,7 +257,25 @@ class TokenStats:
         new = (counts.gather(1, ids).to(torch.int64) + occurrences).clamp_(max=top)
         counts.scatter_(1, ids, new.to(counts.dtype))
         self.output_len += inside.sum(-1)
+        if self._positions is not None:
+            self._add_newly_seen(ids, inside)
         self._refresh_seen(ids)
+
+    def _add_newly_seen(self, ids: Tensor, inside: Tensor) -> None:
+        """Append to :meth:`seen_positions` the tokens of ``ids`` not seen before this step
+        (each once), before the seen mask takes them."""
+        if torch.compiler.is_compiling() or self.device.type != "cpu":
+            self._positions = None  # the cache reads on the host: CPU eager only
+            return
+        new = inside & ~bitmask.bits_at(self.seen_mask, ids)
+        steps = ids.shape[1]
+        if steps > 1:  # a token named twice in a row this step: its first entry only
+            earlier = torch.ones(steps, steps, dtype=torch.bool, device=ids.device).tril_(-1)
+            repeated = (ids[:, :, None] == ids[:, None, :]) & earlier & inside[:, None, :]
+            new &= ~repeated.any(-1)
+        row, slot = new.nonzero(as_tuple=True)
+        if row.shape[0]:
+            self._append_positions(row, ids[row, slot])
 
     def _refresh_seen(self, ids: Tensor) -> None:
         """Recompute the seen words holding ``ids``: prompt bits or a nonzero count."""
@@ -275,6 +331,7 @@ class TokenStats:
         self.output_counts.index_copy_(0, index, other.output_counts.to(self.output_counts.dtype))
         self.output_len.index_copy_(0, index, other.output_len)
         self.seen_mask.index_copy_(0, index, other.seen_mask)
+        self._positions = None
 
     def __repr__(self) -> str:
         return (
