@@ -58,23 +58,25 @@ def scales(
     k_rows: Sequence[int],
     count: int,
     controls: Controls,
+    x_lows: Sequence[float],
 ) -> list[float]:
     """Each row's ``max(cut, CUT_FLOOR)`` (float32 values): the k-th weight, top-p's cut on
-    the candidates (``weights[b][:count]``, largest first; ``values`` their logits), min-p."""
+    the candidates (``weights[b][:count]``, largest first; ``values`` their logits, which hold
+    every entry at or above ``x_lows[b]``, the smallest logit reaching the k-th weight), min-p."""
     batch = len(weights)
     p_rows, mp_rows = _rows(controls.top_p, batch), _rows(controls.min_p, batch)
     tensor_p = controls.top_p is not None and not isinstance(controls.top_p, float)
     out = []
     for b in range(batch):
         w, v, k = weights[b], values[b], k_rows[b]
-        cut_k, x_k = w[k - 1], v[k - 1]
+        cut_k, x_low = w[k - 1], x_lows[b]
         cut = cut_k
         cut_min = None if mp_rows is None else _f32(float(mp_rows[b]))  # via float64, as torch
         if p_rows is not None:
             candidates = w[:count]
             floor = cut_k
-            # Only ties at cut_k reach x_k besides the candidates above it (host_top_k).
-            ties = float(sum(map(x_k.__le__, v)) - sum(map(cut_k.__lt__, candidates)))
+            # The entries reaching x_low weigh cut_k or more: those not above it tie it.
+            ties = float(sum(map(x_low.__le__, v)) - sum(map(cut_k.__lt__, candidates)))
             if controls.min_p_first:
                 assert cut_min is not None
                 floor = max(cut_k, cut_min)

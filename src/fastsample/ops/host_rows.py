@@ -10,7 +10,8 @@ Python floats on ~50 candidates, with exactly the numbers of the general path:
    plus one), copied out (``need * BLOCK`` entries, under the parallel grain); the maxima of
    their groups of 32, the ``need`` best groups, and the ``need`` largest entries among those:
    the ``need`` largest entries of the row (each of the row's ``need`` largest is in one of
-   ``need`` groups whose maxima reach it);
+   ``need`` groups whose maxima reach it). A row of fewer blocks than that is its own
+   candidates (one ``topk``);
 2. the candidates' weights: ``x - peak`` and ``/ T`` in Python (float32 subtraction and
    division, correctly rounded, are the float64 result rounded once to float32), ``exp`` by
    torch (its rounding is its own), with the float32 just below the k-th logit weighed
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from . import host_floats
 from .cuts import BELOW_ONE
-from .host_top_k import _TIE_SPARES, HostDrawn, _controls_fine, _host_list
+from .host_top_k import _TIE_SPARES, LOW_STEPS, HostDrawn, _controls_fine, _host_list
 from .inverse_cdf import BLOCK
 from .noise import UniformSource
 from .threads import GRAIN
@@ -101,42 +102,61 @@ def draw(
     spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1)
     wide = max(count + spare, num_top)  # more candidates change no number, only the work
     need = wide + 1
-    if not 0 < batch <= ROWS or need > blocks or need * BLOCK >= GRAIN:
+    short = need > blocks  # a short row: fewer blocks than candidates
+    if not 0 < batch <= ROWS or need > vocab or need * BLOCK >= GRAIN:
+        return None
+    if short and batch * vocab >= GRAIN:
         return None
     temperature = controls.temperature
     t_rows = _host_list(temperature, batch)
     divisors = _divisors(temperature, t_rows)
     if divisors is None or (isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows)):
         return None  # greedy, invalid or sub-tiny temperatures: the tensor steps
-    chosen = torch.topk(maxima, need, dim=1, sorted=False)
     # The row maximum from every block (a NaN propagates: topk need not pick a NaN block).
     peaks = maxima.amax(-1).tolist()
-    chosen_maxima = chosen.values.tolist()
-    rows_ok = zip(chosen_maxima, peaks, strict=True)
-    if not all(-math.inf < min(row) and peak < math.inf for row, peak in rows_ok):
+    if short:  # the row's need largest directly
+        top = torch.topk(logits, need, dim=1)
+        values, ids = top.values.tolist(), top.indices.tolist()
+        floors = [row[-1] for row in values]
+    else:
+        chosen = torch.topk(maxima, need, dim=1, sorted=False)
+        floors = [min(row) for row in chosen.values.tolist()]
+    if not all(-math.inf < f and p < math.inf for f, p in zip(floors, peaks, strict=True)):
         return None  # a NaN, +inf or mostly masked row (NaN fails every comparison)
-    values, ids = _largest(logits, chosen.indices, need)  # per row, largest first
+    if not short:
+        values, ids = _largest(logits, chosen.indices, need)  # per row, largest first
     if isinstance(controls.top_k, Tensor):
         k_rows = [min(max(k, 1), count) for k in controls.top_k.tolist()]
     else:
         k_rows = [count] * batch
-    # The candidates' logits and the float32 below each k-th one, scaled as the tensor path
-    # scales them, then one exp for all: weights[b][wide] weighs that lower float.
-    scaled = []
+    # The candidates' logits and the floats just below each k-th one, scaled as the tensor
+    # path scales them, then one exp for all: weights[b][wide + i] weighs lows[b][i].
+    scaled, lows = [], []
     for row, peak, divisor, k in zip(values, peaks, divisors, k_rows, strict=True):
-        if not row[wide] < row[k - 1]:
-            return None  # an entry outside the candidates may tie the k-th
-        if num_top and not row[num_top - 1] > row[wide]:
-            return None  # the num_top largest are not all candidates
-        shifted = _rounded([x - peak for x in row[:wide]] + [_below(row[k - 1]) - peak])
+        below = [_below(row[k - 1])]
+        for _ in range(LOW_STEPS - 1):
+            below.append(_below(below[-1]))
+        lows.append(below)
+        shifted = _rounded([x - peak for x in row[:wide]] + [x - peak for x in below])
         scaled.append(shifted if divisor is None else _rounded([x / divisor for x in shifted]))
     weights = torch.tensor(scaled, dtype=torch.float32).exp_().tolist()
-    for row, k in zip(weights, k_rows, strict=True):
-        if not row[wide] < row[k - 1]:
-            return None  # the float below x_k weighs as much: more entries reach the cut
+    # x_low, the smallest float32 reaching the k-th weight: the k-th logit, or a few floats
+    # below it where the subtraction or the division rounds them together.
+    x_lows = []
+    for row, weight, below, k in zip(values, weights, lows, k_rows, strict=True):
+        reach = sum(map(weight[k - 1].__le__, weight[wide:]))  # weights never rise below x_k
+        if reach == LOW_STEPS:
+            return None  # a wide flat stretch: the tensor steps search it
+        x_low = below[reach - 1] if reach else row[k - 1]
+        if not row[wide] < x_low:
+            return None  # an entry outside the candidates may reach the k-th weight
+        if num_top and not row[num_top - 1] > row[wide]:
+            return None  # the num_top largest are not all candidates
+        x_lows.append(x_low)
     scales = host_floats.scales(
-        [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, controls
-    )
+        [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, controls,
+        x_lows,
+    )  # fmt: skip
     kept = []
     for row, scale in zip(weights, scales, strict=True):
         quotients = _rounded([w / scale for w in row[:wide]])  # keep_at_least, in float32

@@ -12,8 +12,8 @@ call needs (about a hundred at B=1 instead of ~300; ``docs/cpu-primitive-costs.m
    :data:`~fastsample.ops.threads.GRAIN` entries (a row of them is 13,056 at ``k = 50``), so
    no op opens a parallel region whatever the batch;
 2. the weights of those candidates only, the k-th weight of each row, and one host read that
-   decides the common case: the float32 logit just below the k-th one weighs less than it (so
-   ``x_low``, the smallest logit reaching the k-th weight, is the k-th logit itself) and the
+   decides the common case: ``x_low``, the smallest logit reaching the k-th weight, is the
+   k-th logit or one of the few floats below it that weigh as much, and the
    ``need``-th largest entry lies below ``x_low`` (no entry outside the candidates can be
    kept). Top-N logprobs ask the same read whether the N largest are all candidates;
 3. the cuts (:func:`~fastsample.ops.cuts.top_p_cut_from_candidates`, min-p) and the block
@@ -25,8 +25,11 @@ call needs (about a hundred at B=1 instead of ~300; ``docs/cpu-primitive-costs.m
 One or two rows with one draw go to :mod:`.host_rows` first (the scalar work in Python
 floats, ~20 tensor ops); this module serves them when that declines.
 
+A short row (fewer blocks than ``need``) is its own candidates: one ``topk`` over the row, for
+as many rows as stay under the grain.
+
 Anything else (NaN or mostly masked rows, greedy rows of a tensor temperature, ties at the
-k-th weight beyond the candidates, a vocabulary of fewer blocks than ``need``) returns None
+k-th weight beyond the candidates, more short rows than the grain holds) returns None
 before any uniform is drawn, and the caller takes :mod:`~fastsample.ops.small_top_k`'s general
 steps: same numbers, more ops.
 """
@@ -50,6 +53,10 @@ from .validation import Controls
 # Entries reaching the floor per candidate past which the ties are too many for a short table
 # (integer logits, masked rows): the general steps serve those calls.
 _REACHING_MAX = 4
+LOW_STEPS = 4
+"""Floats below the k-th logit weighed for ``x_low`` (here and in :mod:`.host_rows`): past
+them the tensor steps search."""
+
 # Candidates beyond k for ties at the k-th logit, per dtype (as small_top_k._TIE_SPARES).
 _TIE_SPARES = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 16}
 _TINY = torch.finfo(torch.float32).tiny
@@ -92,22 +99,31 @@ def draw(
     spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1)
     wide = max(count + spare, num_top)  # more candidates change no number, only the work
     need = wide + 1
-    if need > blocks or batch == 0:
+    short = need > blocks  # a short row: fewer blocks than candidates
+    if batch == 0 or need > vocab or (short and batch * vocab >= GRAIN):
         return None
     temperature, top_k = controls.temperature, controls.top_k
     t_rows = _host_list(temperature, batch)
     if isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows):
         return None  # greedy (or invalid) rows: the general steps handle them
-    chosen = torch.topk(maxima, need, dim=1, sorted=False)
+    if short:  # the row's need largest directly (one op under the grain)
+        top = torch.topk(logits, need, dim=1)
+        floor = top.values[:, -1]
+    else:
+        chosen = torch.topk(maxima, need, dim=1, sorted=False)
+        floor = chosen.values.amin(-1)
     # The row maximum from every block (a NaN propagates: topk need not pick a NaN block).
-    floor, peak = chosen.values.amin(-1), maxima.amax(-1)
+    peak = maxima.amax(-1)
     bounds = floor.tolist() + peak.tolist()
     if not all(-math.inf < f < math.inf for f in bounds):
         return None  # a NaN, +inf or mostly masked row
-    found = _reaching(logits, chosen.indices, floor, need)
-    if found is None:
-        return None
-    values, ids = found  # (B, need) largest first, ids unclamped
+    if short:
+        values, ids = top.values, top.indices
+    else:
+        found = _reaching(logits, chosen.indices, floor, need)
+        if found is None:
+            return None
+        values, ids = found  # (B, need) largest first, ids unclamped
     best = peak.to(torch.float32)
     divisor = _divisor(temperature, t_rows)
 
@@ -129,12 +145,20 @@ def draw(
     else:
         kth = torch.tensor(k_rows, device=logits.device).sub_(1)[:, None]
         cut_k, x_k = wide_weights.gather(1, kth).squeeze(1), wide_values.gather(1, kth).squeeze(1)
-    # One host read: x_low is x_k itself (the float below it weighs less), and the need-th
-    # largest lies below it, so every entry >= x_low is among the wide candidates; and the
-    # num_top largest are candidates too (strictly above the need-th largest). Also whether
-    # the num_top largest are distinct: then the candidates' order is theirs.
-    below = torch.nextafter(x_k.float(), _NEG_INF.expand(batch))  # float32, as x_low is
-    common = (weigh(below[:, None]).squeeze(1) < cut_k) & (values[:, wide] < x_k)
+    # One host read: x_low, the smallest float32 reaching the k-th weight, is x_k or one of
+    # the few floats below it (where the subtraction or the division rounds them together),
+    # and the need-th largest lies below it, so every entry >= x_low is among the wide
+    # candidates; and the num_top largest are candidates too (strictly above the need-th
+    # largest). Also whether the num_top largest are distinct: then the candidates' order is
+    # theirs.
+    lows = [torch.nextafter(x_k.float(), _NEG_INF.expand(batch))]  # float32, as x_low is
+    for _ in range(LOW_STEPS - 1):
+        lows.append(torch.nextafter(lows[-1], _NEG_INF.expand(batch)))
+    below = torch.stack(lows, dim=1)
+    reach = (weigh(below) >= cut_k[:, None]).sum(-1)  # weights never rise below x_k
+    x_low = torch.where(reach > 0, below.gather(1, (reach - 1).clamp_min_(0)[:, None]).squeeze(1),
+                        x_k.float())  # fmt: skip
+    common = (reach < LOW_STEPS) & (values[:, wide] < x_low)
     distinct = True
     if num_top:
         common &= values[:, num_top - 1] > values[:, wide]
@@ -145,7 +169,7 @@ def draw(
         distinct = all(found_flags[1:])
     elif not bool(common.all()):
         return None
-    scale = _scale(wide_weights, wide_values, cut_k, x_k, count, controls)
+    scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls)
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
         return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
@@ -182,7 +206,7 @@ def draw(
 
 
 def _scale(
-    wide_weights: Tensor, wide_values: Tensor, cut_k: Tensor, x_k: Tensor, count: int,
+    wide_weights: Tensor, wide_values: Tensor, cut_k: Tensor, x_low: Tensor, count: int,
     controls: Controls,
 ) -> Tensor:  # fmt: skip
     """``(B, 1)`` float32 ``max(cut_k, cut_p, cut_min, CUT_FLOOR)`` by tensor ops."""
@@ -194,8 +218,8 @@ def _scale(
         cut_min = _rows(controls.min_p, batch, wide_weights.device)
     if controls.top_p is not None:
         floor_p = cut_k
-        # Besides the entries above cut_k (all candidates) only ties at it reach x_low = x_k.
-        reaching = (wide_values >= x_k[:, None]).sum(-1, dtype=torch.float64)
+        # The entries reaching x_low weigh cut_k or more: those not above it tie it.
+        reaching = (wide_values >= x_low[:, None]).sum(-1, dtype=torch.float64)
         ties = reaching - (candidates > cut_k[:, None]).sum(-1)
         if controls.min_p_first:  # top-p's mass: the survivors of min-p and top-k
             assert cut_min is not None
