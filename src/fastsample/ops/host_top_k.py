@@ -151,14 +151,13 @@ def draw(
     # candidates; and the num_top largest are candidates too (strictly above the need-th
     # largest). Also whether the num_top largest are distinct: then the candidates' order is
     # theirs.
-    lows = [torch.nextafter(x_k.float(), _NEG_INF.expand(batch))]  # float32, as x_low is
-    for _ in range(LOW_STEPS - 1):
-        lows.append(torch.nextafter(lows[-1], _NEG_INF.expand(batch)))
-    below = torch.stack(lows, dim=1)
-    reach = (weigh(below) >= cut_k[:, None]).sum(-1)  # weights never rise below x_k
-    x_low = torch.where(reach > 0, below.gather(1, (reach - 1).clamp_min_(0)[:, None]).squeeze(1),
-                        x_k.float())  # fmt: skip
-    common = (reach < LOW_STEPS) & (values[:, wide] < x_low)
+    x_low = x_k.float()  # float32, as x_low is
+    below = torch.nextafter(x_low, _NEG_INF.expand(batch))
+    if bool((weigh(below[:, None]).squeeze(1) >= cut_k).any()):  # rarely: search lower
+        x_low, found = _lowest_reaching(weigh, x_low, cut_k)
+        common = found & (values[:, wide] < x_low)
+    else:
+        common = values[:, wide] < x_low
     distinct = True
     if num_top:
         common &= values[:, num_top - 1] > values[:, wide]
@@ -203,6 +202,19 @@ def draw(
         top_ids = ids[:, :wide].gather(1, order)
         top_weights = kept.gather(1, order).to(torch.float64)
     return HostDrawn(token_ids, genuine, total, valid, read, weights, top_ids, top_weights)
+
+
+def _lowest_reaching(weigh, x_k: Tensor, cut_k: Tensor) -> tuple[Tensor, Tensor]:
+    """``x_low`` (``(B,)`` float32), the smallest float reaching the k-th weight ``cut_k``
+    among ``x_k`` and the :data:`LOW_STEPS` floats below it, and whether it lies above the
+    last of them (else the row needs the tensor steps' search)."""
+    lows = [torch.nextafter(x_k, _NEG_INF.expand(x_k.shape[0]))]
+    for _ in range(LOW_STEPS - 1):
+        lows.append(torch.nextafter(lows[-1], _NEG_INF.expand(x_k.shape[0])))
+    below = torch.stack(lows, dim=1)
+    reach = (weigh(below) >= cut_k[:, None]).sum(-1)  # weights never rise below x_k
+    lowest = below.gather(1, (reach - 1).clamp_min_(0)[:, None]).squeeze(1)
+    return torch.where(reach > 0, lowest, x_k), reach < LOW_STEPS
 
 
 def _scale(
