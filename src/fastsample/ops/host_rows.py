@@ -14,9 +14,9 @@ Python floats on ~50 candidates, with exactly the numbers of the general path:
    candidates (one ``topk``);
 2. the candidates' weights: ``x - peak`` and ``/ T`` in Python (float32 subtraction and
    division, correctly rounded, are the float64 result rounded once to float32), ``exp`` by
-   torch (its rounding is its own), with the float32 just below the k-th logit weighed
-   alongside: the same check as :mod:`.host_top_k` that the candidates hold every entry
-   that can be kept;
+   torch (its rounding is its own), with the few floats just below the k-th logit weighed
+   alongside for ``x_low``, the smallest logit reaching the k-th weight: the same check as
+   :mod:`.host_top_k` that the candidates hold every entry that can be kept;
 3. the cuts (:func:`.host_floats.scales`), the kept weights (``w / s``, rounded to float32,
    and the threshold), the blocks holding them (:func:`.host_floats.block_values`, a block
    of three or more summed by torch as the general path sums it) and the draw
