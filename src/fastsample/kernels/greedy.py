@@ -148,6 +148,25 @@ def top_entries_tile(src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES: tl.con
 
 
 @triton.jit
+def with_greedy_rows(tokens, genuine, greedy, clean, src_ptr, src_stride, rows, vocab,
+                     NUM_SAMPLES: tl.constexpr, N_PAD: tl.constexpr, ROWS: tl.constexpr,
+                     TILE: tl.constexpr, IS_LOGITS: tl.constexpr,
+                     IS_F64: tl.constexpr):  # fmt: skip
+    """``(tokens, genuine)`` drawn for a tile of rows, the ``greedy`` rows' replaced by
+    :func:`top_entries_tile` where they are ``clean`` (bad rows get ``0, 1, ..., n-1`` whatever
+    they draw); the top entries are read only when the tile has such a row."""
+    take = greedy & clean
+    if max_of(take.to(tl.int32), 0) > 0:
+        top, top_genuine = top_entries_tile(
+            src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES, N_PAD, ROWS, TILE,
+            IS_LOGITS, IS_F64,
+        )  # fmt: skip
+        tokens = tl.where(greedy[:, None], top, tokens)
+        genuine = tl.where(greedy[:, None], top_genuine, genuine)
+    return tokens, genuine
+
+
+@triton.jit
 def _rows_clean(base, live, vocab, IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr,
                 ROWS: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
     """:func:`fastsample.stages.draw._all_greedy`'s row test for a tile of rows (as
@@ -240,14 +259,10 @@ def _draws_kernel(
             weights_ptr, w_stride, 1, sums_ptr, sums_stride, rows, live, vocab,
             c1, c2, c3, k0, k1, NUM_SAMPLES, N_PAD, ROWS, TILE, SUMS_TILE, ONE_SUMS_TILE,
         )  # fmt: skip
-        take = greedy & clean  # bad rows get 0, 1, ..., n-1 whatever they draw
-        if max_of(take.to(tl.int32), 0) > 0:  # a greedy row here: its draws replace these
-            top, top_genuine = top_entries_tile(
-                src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES, N_PAD, ROWS, TILE,
-                IS_LOGITS, IS_F64,
-            )  # fmt: skip
-            tokens = tl.where(greedy[:, None], top, tokens)
-            genuine = tl.where(greedy[:, None], top_genuine, genuine)
+        tokens, genuine = with_greedy_rows(
+            tokens, genuine, greedy, clean, src_ptr, src_stride, rows, vocab, NUM_SAMPLES,
+            N_PAD, ROWS, TILE, IS_LOGITS, IS_F64,
+        )  # fmt: skip
     else:
         greedy = live
         tokens, genuine = top_entries_tile(

@@ -35,12 +35,11 @@ import triton.language as tl
 from torch import Tensor
 
 from . import launch
-from .greedy import _rows_clean, top_entries_tile
+from .greedy import _rows_clean, top_entries_tile, with_greedy_rows
 from .inverse_cdf import DRAW as DRAW_PURPOSE
 from .inverse_cdf import counter_arguments, draw_sizes, draw_stage
 from .philox import INTERPRETED
 from .rowwise import column, row_counters, stream_in_range
-from .select import largest as max_of
 from .select import total as sum_of
 from .stages import bit_of
 
@@ -122,14 +121,10 @@ def _step_draw_kernel(
             ranked_greedy = zero_t
         else:
             greedy = zero_t
-            take = greedy & clean
-            if max_of(take.to(tl.int32), 0) > 0:  # a greedy row here: its draws replace these
-                top, top_genuine = top_entries_tile(
-                    src_ptr, src_stride, rows, take, vocab, NUM_SAMPLES, N_PAD, ROWS, TILE,
-                    IS_LOGITS, IS_F64,
-                )  # fmt: skip
-                tokens = tl.where(greedy[:, None], top, tokens)
-                genuine = tl.where(greedy[:, None], top_genuine, genuine)
+            tokens, genuine = with_greedy_rows(
+                tokens, genuine, greedy, clean, src_ptr, src_stride, rows, vocab, NUM_SAMPLES,
+                N_PAD, ROWS, TILE, IS_LOGITS, IS_F64,
+            )  # fmt: skip
             ranked_greedy = greedy
     else:  # ALL, SCAN: every row greedy
         greedy = live
