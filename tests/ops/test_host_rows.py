@@ -121,7 +121,7 @@ def test_short_rows_are_their_own_candidates(monkeypatch, batch):
 
 
 def test_negative_control_without_the_float32_roundings_is_caught(monkeypatch):
-    monkeypatch.setattr(host_rows, "_rounded", list)  # float64 arithmetic left unrounded
+    monkeypatch.setattr(host_rows, "rounded", list)  # float64 arithmetic left unrounded
     _, _, wrong = _compare(monkeypatch, 1)
     assert len(wrong) > 0
 

@@ -44,7 +44,8 @@ from torch import Tensor
 
 from . import host_floats
 from .cuts import BELOW_ONE
-from .host_top_k import _TIE_SPARES, LOW_STEPS, HostDrawn, _controls_fine, _host_list
+from .host_floats import rounded
+from .host_top_k import LOW_STEPS, HostDrawn, _controls_fine, candidate_sizes
 from .inverse_cdf import BLOCK
 from .noise import UniformSource
 from .threads import GRAIN
@@ -58,12 +59,6 @@ _TINY = torch.finfo(torch.float32).tiny
 _BELOW_ONE = BELOW_ONE[torch.float32]
 _F32 = struct.Struct("<f")
 _I32 = struct.Struct("<i")
-
-
-def _rounded(values: list[float]) -> array:
-    """``values`` rounded to float32 (to nearest, ties to even; past float32's range, an
-    infinity, as torch's float32 arithmetic gives it), all in one C loop."""
-    return array("f", values)
 
 
 def _below(value: float) -> float:
@@ -80,9 +75,9 @@ def _divisors(temperature: object, t_rows: list) -> list[float | None] | None:
     if not isinstance(temperature, Tensor):
         if temperature is None or temperature == 0.0:
             return [None] * len(t_rows)
-        return [_rounded([max(float(temperature), _TINY)])[0]] * len(t_rows)  # type: ignore[arg-type]
+        return [rounded([max(float(temperature), _TINY)])[0]] * len(t_rows)  # type: ignore[arg-type]
     if all(_TINY <= t < math.inf for t in t_rows):
-        return list(_rounded(t_rows))
+        return list(rounded(t_rows))
     return None
 
 
@@ -99,16 +94,13 @@ def draw(
     ``count`` the largest ``k``), or None (decided before any uniform is drawn)."""
     batch, vocab = logits.shape
     blocks = maxima.shape[1]
-    spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1)
-    wide = max(count + spare, num_top)  # more candidates change no number, only the work
-    need = wide + 1
-    short = need > blocks  # a short row: fewer blocks than candidates
+    wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
     if not 0 < batch <= ROWS or need > vocab or need * BLOCK >= GRAIN:
         return None
     if short and batch * vocab >= GRAIN:
         return None
     temperature = controls.temperature
-    t_rows = _host_list(temperature, batch)
+    t_rows = host_floats.host_list(temperature, batch)
     divisors = _divisors(temperature, t_rows)
     if divisors is None or (isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows)):
         return None  # greedy, invalid or sub-tiny temperatures: the tensor steps
@@ -137,8 +129,8 @@ def draw(
         for _ in range(LOW_STEPS - 1):
             below.append(_below(below[-1]))
         lows.append(below)
-        shifted = _rounded([x - peak for x in row[:wide]] + [x - peak for x in below])
-        scaled.append(shifted if divisor is None else _rounded([x / divisor for x in shifted]))
+        shifted = rounded([x - peak for x in row[:wide]] + [x - peak for x in below])
+        scaled.append(shifted if divisor is None else rounded([x / divisor for x in shifted]))
     weights = torch.tensor(scaled, dtype=torch.float32).exp_().tolist()
     # x_low, the smallest float32 reaching the k-th weight: the k-th logit, or a few floats
     # below it where the subtraction or the division rounds them together.
@@ -159,7 +151,7 @@ def draw(
     )  # fmt: skip
     kept = []
     for row, scale in zip(weights, scales, strict=True):
-        quotients = _rounded([w / scale for w in row[:wide]])  # keep_at_least, in float32
+        quotients = rounded([w / scale for w in row[:wide]])  # keep_at_least, in float32
         kept.append([q if q > _BELOW_ONE else 0.0 for q in quotients])
     width = vocab + vocab % 2  # the general path's even-width weight buffer
     rows = host_floats.block_values(kept, [row[:wide] for row in ids], width)

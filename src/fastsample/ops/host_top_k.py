@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import threads
+from . import host_floats, threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums
 from .noise import UniformSource
@@ -78,8 +78,16 @@ class HostDrawn(NamedTuple):
     token_probs: tuple[Tensor, Tensor] | None = None  # (B, n) float32 probs and logprobs
 
 
-def _host_list(value: object, batch: int) -> list:
-    return value.tolist() if isinstance(value, Tensor) else [value] * batch
+def candidate_sizes(
+    dtype: torch.dtype, vocab: int, blocks: int, count: int, num_top: int
+) -> tuple[int, int, bool]:
+    """``(wide, need, short)``: the candidates that can be kept (the largest ``k``, spares for
+    ties at the k-th logit, at least ``num_top``), one more (it tells whether they hold every
+    entry that can be kept), and whether a row has fewer blocks than that (a short row: its
+    own candidates)."""
+    spare = min(_TIE_SPARES[dtype], vocab - count - 1)
+    wide = max(count + spare, num_top)  # more candidates change no number, only the work
+    return wide, wide + 1, wide + 1 > blocks
 
 
 def draw(
@@ -96,14 +104,11 @@ def draw(
     the call needs the general steps (decided before any uniform is drawn)."""
     batch, vocab = logits.shape
     blocks = maxima.shape[1]
-    spare = min(_TIE_SPARES[logits.dtype], vocab - count - 1)
-    wide = max(count + spare, num_top)  # more candidates change no number, only the work
-    need = wide + 1
-    short = need > blocks  # a short row: fewer blocks than candidates
+    wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
     if batch == 0 or need > vocab or (short and batch * vocab >= GRAIN):
         return None
     temperature, top_k = controls.temperature, controls.top_k
-    t_rows = _host_list(temperature, batch)
+    t_rows = host_floats.host_list(temperature, batch)
     if isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows):
         return None  # greedy (or invalid) rows: the general steps handle them
     if short:  # the row's need largest directly (one op under the grain)
