@@ -103,7 +103,7 @@ def _sparse_(x, stats, rep, freq, pres, rows, extra) -> Tensor:
     """The sparse path: rows in pieces whose seen-mask words stay under torch's parallel
     grain (fastsample.ops.threads), so no op opens a parallel region. A step's own rows
     (no rows map, no drafts) visit the state's kept positions instead of scanning the mask."""
-    if rows is None and extra is None and x.is_contiguous():
+    if rows is None and extra is None and x.is_contiguous() and stats.output_counts.is_contiguous():
         return _sparse_kept_(x, stats, rep, freq, pres)
     batch = x.shape[0]
     words = stats.seen_mask.shape[1]

@@ -251,19 +251,21 @@ class TokenStats:
         # capped at the type's largest value (max_output_tokens says it is never reached).
         # Every entry naming the same column computes the same number, padding included (it
         # names column 0 and adds the real zeros' occurrences), so the scatter is exact.
-        occurrences = ((ids[:, :, None] == ids[:, None, :]) & inside[:, None, :]).sum(-1)
+        same = (ids[:, :, None] == ids[:, None, :]) & inside[:, None, :]  # (B, n, n)
+        occurrences = same.sum(-1)
         counts = self.output_counts
         top = torch.iinfo(counts.dtype).max
         new = (counts.gather(1, ids).to(torch.int64) + occurrences).clamp_(max=top)
         counts.scatter_(1, ids, new.to(counts.dtype))
         self.output_len += inside.sum(-1)
         if self._positions is not None:
-            self._add_newly_seen(ids, inside)
+            self._add_newly_seen(ids, inside, same)
         self._refresh_seen(ids)
 
-    def _add_newly_seen(self, ids: Tensor, inside: Tensor) -> None:
+    def _add_newly_seen(self, ids: Tensor, inside: Tensor, same: Tensor) -> None:
         """Append to :meth:`seen_positions` the tokens of ``ids`` not seen before this step
-        (each once), before the seen mask takes them."""
+        (each once: ``same[b, i, j]``, entry ``j`` of row ``b`` names the token of entry
+        ``i``), before the seen mask takes them."""
         if torch.compiler.is_compiling() or self.device.type != "cpu":
             self._positions = None  # the cache reads on the host: CPU eager only
             return
@@ -271,8 +273,7 @@ class TokenStats:
         steps = ids.shape[1]
         if steps > 1:  # a token named twice in a row this step: its first entry only
             earlier = torch.ones(steps, steps, dtype=torch.bool, device=ids.device).tril_(-1)
-            repeated = (ids[:, :, None] == ids[:, None, :]) & earlier & inside[:, None, :]
-            new &= ~repeated.any(-1)
+            new &= ~(same & earlier).any(-1)
         row, slot = new.nonzero(as_tuple=True)
         if row.shape[0]:
             self._append_positions(row, ids[row, slot])
