@@ -381,15 +381,19 @@ def _scan_whole_blocks(
         rows = blocks.add(torch.arange(0, batch * full, full, device=logits.device)[:, None])
         rows = rows.view(-1)
     source = logits.view(batch * full, BLOCK)
-    maxima = torch.empty(pairs * per_block, dtype=logits.dtype, device=logits.device)
-    step = (GRAIN - 1) // BLOCK
-    for start in range(0, pairs, step):
-        content = source.index_select(0, rows[start : start + step])
-        piece = maxima[start * per_block : (start + step) * per_block]
-        torch.amax(content.view(-1, _GROUP), -1, out=piece)
-    groups = source.view(-1, _GROUP)
     per_row = need * per_block  # group g belongs to row g // per_row
-    rows_per = max(1, (GRAIN - 1) // per_row)
+    if threads.serial_scan(logits.device, pairs * BLOCK):
+        step = (GRAIN - 1) // BLOCK  # blocks a piece
+        maxima = torch.empty(pairs * per_block, dtype=logits.dtype, device=logits.device)
+        for start in range(0, pairs, step):
+            content = source.index_select(0, rows[start : start + step])
+            piece = maxima[start * per_block : (start + step) * per_block]
+            torch.amax(content.view(-1, _GROUP), -1, out=piece)
+        rows_per, groups_per = max(1, (GRAIN - 1) // per_row), step * per_block
+    else:  # a large batch: each step one op over all blocks (torch's threads)
+        maxima = source.index_select(0, rows).view(-1, _GROUP).amax(-1)
+        rows_per, groups_per = batch, pairs * per_block
+    groups = source.view(-1, _GROUP)
     out_pairs, out_cols, out_values = [], [], []
     for first_row in range(0, batch, rows_per):
         piece = maxima[first_row * per_row : (first_row + rows_per) * per_row]
@@ -397,14 +401,16 @@ def _scan_whole_blocks(
         group = reached.view(-1).nonzero().squeeze(1)
         if first_row:
             group = group.add_(first_row * per_row)
-        for first in range(0, group.shape[0], step * per_block):  # picked entries < GRAIN
-            chosen = group[first : first + step * per_block]
+        for first in range(0, group.shape[0], groups_per):
+            chosen = group[first : first + groups_per]
             pair = chosen // per_block
             where = rows.gather(0, pair).mul_(per_block).add_(chosen % per_block)
             picked = groups.index_select(0, where)
             floor_of = floor.gather(0, chosen // per_row) if batch > 1 else floor
-            which, place = (picked >= floor_of[:, None]).nonzero(as_tuple=True)
-            out_values.append(picked.view(-1).gather(0, which * _GROUP + place))
+            # flat positions of the hits: entry e of picked group i is i * _GROUP + e
+            hit = (picked >= floor_of[:, None]).view(-1).nonzero().squeeze(1)
+            which, place = hit // _GROUP, hit % _GROUP
+            out_values.append(picked.view(-1).gather(0, hit))
             out_pairs.append(pair.gather(0, which))
             out_cols.append((chosen.gather(0, which) % per_block).mul_(_GROUP).add_(place))
     if len(out_pairs) == 1:
