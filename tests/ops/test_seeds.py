@@ -69,13 +69,15 @@ def test_uniforms_match_the_documented_mapping():
 
 
 def test_host_uniforms_are_the_tensor_layouts_bits(monkeypatch):
-    """A few rows on CPU take Philox in Python (fastsample.ops.seeds.HOST_MAX_BLOCKS): the same
-    float64 uniforms, bit for bit, as the packed tensor layout and the per-word one, for
-    negative and 64-bit seeds and steps, tensor and int streams, any start and length."""
+    """Rows on CPU take Philox on Python ints, every block a 64-bit lane of one computation
+    (fastsample.ops.seeds.HOST_MAX_BLOCKS): the same float64 uniforms, bit for bit, as the
+    packed tensor layout and the per-word one, for negative and 64-bit seeds and steps, tensor
+    and int streams, any start and length, one to 64 rows (lanes from 1 to 192), as tensors
+    and as Python floats."""
     from fastsample.ops import seeds
 
     gen = torch.Generator().manual_seed(5)
-    for batch in (1, 2, 5):
+    for batch in (1, 2, 5, 64):
         seed = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
         step = torch.randint(-(2**40), 2**40, (batch,), generator=gen)
         tensor_stream = torch.randint(0, 2**24, (batch,), generator=gen)
@@ -91,6 +93,12 @@ def test_host_uniforms_are_the_tensor_layouts_bits(monkeypatch):
                 per_word = CounterSource(seed, step, stream).uniforms(purpose, start, length)
                 monkeypatch.undo()
                 assert torch.equal(host, packed) and torch.equal(host, per_word)
+            for num in (1, 2, 3):  # the Python floats of the host paths (host_rows)
+                monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 10**6)
+                floats = CounterSource(seed, step, stream).host_row_uniforms(num)
+                monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 0)
+                assert floats == CounterSource(seed, step, stream).row_uniforms(num).tolist()
+                monkeypatch.undo()
     # Python-int seed and step (built into rows only when read by the tensor layouts).
     monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 10**6)
     host = CounterSource(-3, 2**40 + 1, 0, rows=(3, torch.device("cpu"))).row_uniforms(2)

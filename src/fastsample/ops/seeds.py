@@ -19,6 +19,7 @@ numbers on every replay instead of replaying frozen generator state.
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import AbstractContextManager, nullcontext
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -27,7 +28,12 @@ import torch
 from torch import Tensor
 
 from .noise import GeneratorSource
-from .philox import philox4x32, philox4x32_host, philox4x32_pairs
+from .philox import (
+    lane_ones,
+    philox4x32,
+    philox4x32_host,
+    philox4x32_pairs,
+)
 
 _MASK32 = 0xFFFFFFFF
 _STREAM_LIMIT = 1 << 24
@@ -138,8 +144,8 @@ class CounterSource:
         """``(B, length)`` float64 uniforms for positions ``start .. start + length - 1``."""
         first, last = start // 2, (start + length - 1) // 2
         on_host = self._host_words(last - first + 1)
-        if on_host is not None:  # a few rows on CPU, eager: Philox in Python, one tensor op
-            return _host_uniforms(*on_host, int(purpose), start, length)
+        if on_host is not None:  # a few rows on CPU, eager: Philox in Python, few tensor ops
+            return _host_uniforms(on_host, int(purpose), start, length)
         if last - first + 1 <= self.FEW_BLOCKS:
             with _small_op_mode():
                 bits = self._few_block_bits(purpose, first, last)
@@ -150,11 +156,11 @@ class CounterSource:
         offset = start - 2 * first
         return flat.narrow(1, offset, length)
 
-    def _host_words(self, blocks: int) -> tuple[list, list, list, torch.device] | None:
-        """``(seeds, steps, streams, device)`` as Python lists where computing the uniforms
-        on the host is cheaper than the ~70 small tensor ops of the packed layout: CPU
-        values in eager mode, at most :data:`HOST_MAX_BLOCKS` Philox blocks in all (the
-        host reads are free there, and ten Philox rounds in Python cost ~3 us a block)."""
+    def _host_words(self, blocks: int) -> _HostWords | None:
+        """The rows' seeds, steps and streams packed as Python-int lanes
+        (:class:`_HostWords`) where computing the uniforms on the host is cheaper than the
+        ~70 small tensor ops of the packed layout: CPU values in eager mode, at most
+        :data:`HOST_MAX_BLOCKS` Philox blocks in all (the host reads are free there)."""
         if self._rows is not None:
             batch, device = self._rows
         else:
@@ -163,15 +169,15 @@ class CounterSource:
             return None
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return None
-        values = []
+        packed = []
         for value in (self._seed, self._step, self.stream):
             if isinstance(value, Tensor):
                 if value.device.type != "cpu":
                     return None
-                values.append(value.tolist())
-            else:
-                values.append([value] * batch)
-        return values[0], values[1], values[2], device
+                packed.append(_tensor_bytes(value))
+            else:  # the same 64-bit word (two's complement) in every lane
+                packed.append((value % 2**64).to_bytes(8, "little") * batch)
+        return _HostWords(batch, *packed, device)
 
     def _few_block_bits(self, purpose: Purpose, first: int, last: int) -> Tensor:
         """``(B, blocks, 2)`` 53-bit integers, packed layout: overhead-bound, so few ops."""
@@ -222,48 +228,109 @@ class CounterSource:
         (a few rows on CPU, eager), else read from the tensor."""
         on_host = self._host_words((num + 1) // 2)
         if on_host is not None:
-            seeds, steps, streams, _ = on_host
-            return _host_values(seeds, steps, streams, int(Purpose.DRAW), 0, num)
+            return _host_values(on_host, int(Purpose.DRAW), 0, num)
         return self.row_uniforms(num).tolist()
 
     def entry_uniforms(self, start: int, length: int) -> Tensor:
         return self.uniforms(Purpose.ENTRY, start, length)
 
 
-HOST_MAX_BLOCKS = 16
+HOST_MAX_BLOCKS = 512
 """Philox blocks (rows x blocks per row) up to which :class:`CounterSource` computes the
-uniforms in Python on CPU: ~5 us a block with the host reads, against ~80-95 us for the
-~70-op tensor layout whatever the rows (2-core Xeon, torch 2.13; crossover ~16 blocks)."""
+uniforms with Python ints on CPU: every block a 64-bit lane of one big-int computation
+(:func:`~fastsample.ops.philox.philox4x32_host`), 14 us for one block, 36 us for 64, against
+~75-85 us for the ~70-op tensor layout whatever the rows (2-core Xeon, torch 2.13; the host
+cost grows with the lanes, the tensor layout's barely: crossover ~100 blocks)."""
 
 
-def _host_uniforms(
-    seeds: list[int], steps: list[int], streams: list[int], device: torch.device,
-    purpose: int, start: int, length: int,
-) -> Tensor:  # fmt: skip
+class _HostWords(NamedTuple):
+    """A batch's seeds, steps and streams, each as ``8 * rows`` bytes: row ``b``'s value as
+    the little-endian 64-bit word ``b`` (two's complement)."""
+
+    rows: int
+    seeds: bytes
+    steps: bytes
+    streams: bytes
+    device: torch.device
+
+
+def _tensor_bytes(value: Tensor) -> bytes:
+    """A CPU ``(B,)`` int64 tensor's memory (one copy, no per-element read)."""
+    value = value.contiguous()
+    return ctypes.string_at(value.data_ptr(), 8 * value.numel())
+
+
+def _host_uniforms(words: _HostWords, purpose: int, start: int, length: int) -> Tensor:
     """:meth:`CounterSource.uniforms` computed with Python ints: the same Philox-4x32-10
     words, the same 53-bit integers, exactly the same float64 uniforms."""
-    rows = _host_values(seeds, steps, streams, purpose, start, length)
-    return torch.tensor(rows, dtype=torch.float64, device=device).view(len(rows), length)
+    return _host_bits(words, purpose, start, length).to(torch.float64).mul_(_INV_2_53)
 
 
-def _host_values(
-    seeds: list[int], steps: list[int], streams: list[int], purpose: int, start: int, length: int
-) -> list[list[float]]:
-    """The uniforms of :func:`_host_uniforms` as Python floats, row by row."""
+def _host_values(words: _HostWords, purpose: int, start: int, length: int) -> list[list[float]]:
+    """The uniforms of :func:`_host_uniforms` as Python floats, row by row (no tensor op)."""
+    rows = words.rows
+    even, odd, offset = _host_lanes(words, purpose, start, length)
+    count = rows * ((offset + length + 1) // 2)
+    if length == 1 and offset == 0:  # one uniform a row: the even words
+        return [[v * _INV_2_53] for v in memoryview(even.to_bytes(8 * rows, "little")).cast("Q")]
+    halves = [memoryview(w.to_bytes(8 * count, "little")).cast("Q") for w in (even, odd)]
+    # position offset + i of row b: block (offset + i) // 2, word (offset + i) % 2
+    return [
+        [halves[p % 2][(p // 2) * rows + b] * _INV_2_53 for p in range(offset, offset + length)]
+        for b in range(rows)
+    ]
+
+
+def _host_bits(words: _HostWords, purpose: int, start: int, length: int) -> Tensor:
+    """``(rows, length)`` int64: the uniforms' 53-bit integers, from :func:`_host_lanes`
+    (the tensor ops only put the lanes in row order)."""
+    rows = words.rows
+    even, odd, offset = _host_lanes(words, purpose, start, length)
+    per_row = (offset + length + 1) // 2
+    lanes = rows * per_row
+    if lanes == 0:
+        return torch.empty((rows, length), dtype=torch.int64, device=words.device)
+    if per_row == 1 and length == 1 and offset == 0:  # one uniform a row: the even words
+        return _lanes_tensor(even, lanes).view(rows, 1)
+    both = torch.stack((_lanes_tensor(even, lanes), _lanes_tensor(odd, lanes)), -1)
+    both = both.view(per_row, rows, 2).transpose(0, 1)
+    return both.reshape(rows, 2 * per_row).narrow(1, offset, length)
+
+
+def _host_lanes(words: _HostWords, purpose: int, start: int, length: int) -> tuple[int, int, int]:
+    """``(even, odd, offset)``: the 53-bit integers of positions ``2 p`` and ``2 p + 1`` as
+    Python-int lanes, and where ``start`` sits in the first block (``start - 2 first``).
+
+    Every Philox block of every row is a 64-bit lane of one computation
+    (:func:`~fastsample.ops.philox.philox4x32_host`), the lanes block after block: lane
+    ``j * rows + b`` is row ``b``'s block ``first + j``, so a row's word reaches its blocks'
+    lanes by repeating the rows' bytes."""
+    rows = words.rows
     first, last = start // 2, (start + length - 1) // 2
-    offset = start - 2 * first
-    rows = []
-    for seed, step, stream in zip(seeds, steps, streams, strict=True):
-        word = (stream & (_STREAM_LIMIT - 1)) | purpose << 24
-        row = []
-        for block in range(first, last + 1):
-            x0, x1, x2, x3 = philox4x32_host(
-                block, word, step & _MASK32, step >> 32, seed, seed >> 32
-            )
-            row.append(((x0 << 21) | (x3 >> 11)) * _INV_2_53)
-            row.append(((x2 << 21) | (x1 >> 11)) * _INV_2_53)
-        rows.append(row[offset : offset + length])
-    return rows
+    per_row = last - first + 1
+    ones = lane_ones(rows * per_row)
+
+    def spread(row_words: bytes) -> int:  # each row's word in the lanes of its blocks
+        return int.from_bytes(row_words * per_row, "little")
+
+    word = (spread(words.streams) & ones * (_STREAM_LIMIT - 1)) | ones * (purpose << 24)
+    block_words = b"".join((first + j).to_bytes(8, "little") * rows for j in range(per_row))
+    blocks = int.from_bytes(block_words, "little")
+    step, seed = spread(words.steps), spread(words.seeds)
+    x0, x1, x2, x3 = philox4x32_host(
+        blocks, word, step, step >> 32, seed, seed >> 32, lanes=rows * per_row
+    )  # the garbage that >> 32 brings into a lane's high half is masked there
+    # Position 2p takes (x0, x3), 2p + 1 (x2, x1): x << 21 | y >> 11, 53 bits a lane.
+    low21 = ones * ((1 << 21) - 1)
+    even = (x0 << 21) | ((x3 >> 11) & low21)
+    odd = (x2 << 21) | ((x1 >> 11) & low21) if length > 1 or start % 2 else 0
+    return even, odd, start - 2 * first
+
+
+def _lanes_tensor(packed: int, lanes: int) -> Tensor:
+    """The 64-bit lanes of ``packed`` as a CPU int64 tensor (each lane below ``2**63``)."""
+    # bytearray: a writable buffer, so the tensor needs no copy (it keeps the buffer alive)
+    return torch.frombuffer(bytearray(packed.to_bytes(8 * lanes, "little")), dtype=torch.int64)
 
 
 class _LaneConstants(NamedTuple):
