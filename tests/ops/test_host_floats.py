@@ -11,6 +11,7 @@ and weight as ``inverse_cdf_draw``.
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -110,3 +111,47 @@ def test_a_block_of_three_kept_weights_is_summed_by_torch():
     blocks = host_floats.block_values([[0.5, 0.0, 0.25]], [[300, 7, 3]], 512)
     assert blocks == [[host_floats.Block(0, 0.25, [(3, 0.25)]),
                        host_floats.Block(1, 0.5, [(300 - BLOCK, 0.5)])]]  # fmt: skip
+
+
+def test_read_controls_flags_exactly_what_controls_in_range_flags():
+    """The host paths' one read of the controls (host_floats.read_controls): ``fine`` is True
+    exactly when ``controls_in_range`` passes every row, for legal values, edges (0, 1, a
+    temperature of 0 and +inf) and each kind of bad value (NaN, infinities, negatives, > 1) in
+    any row of any control. Negative control: a per-row check that skips NaN disagrees."""
+    from fastsample.ops.validation import Controls
+    from fastsample.ops.weights import controls_in_range
+
+    rng = random.Random(3)
+    legal = {
+        "temperature": [0.0, 0.7, 1.0, 1e-30, 5.0],
+        "top_k": [0, 1, 50, 10**6],
+        "top_p": [1e-6, 0.9, 1.0],
+        "min_p": [0.0, 0.05, 1.0],
+    }
+    bad = {
+        "temperature": [math.nan, math.inf, -math.inf, -0.5],
+        "top_k": [-1],
+        "top_p": [math.nan, 0.0, 1.5, -0.1, math.inf],
+        "min_p": [math.nan, -1e-9, 1.01, math.inf, -math.inf],
+    }
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        batch = rng.choice([1, 2, 7])
+        values = {}
+        for name in legal:
+            if rng.random() < 0.3:
+                continue  # a number or off: nothing to check on the host
+            rows = [rng.choice(legal[name]) for _ in range(batch)]
+            if rng.random() < 0.4:
+                rows[rng.randrange(batch)] = rng.choice(bad[name])
+            dtype = torch.int64 if name == "top_k" else torch.float32
+            values[name] = torch.tensor(rows, dtype=dtype)
+        controls = Controls(values.get("temperature", 1.0), values.get("top_k"),
+                            values.get("top_p"), values.get("min_p"))  # fmt: skip
+        want = bool(controls_in_range(controls, batch, torch.device("cpu")).all())
+        assert host_floats.read_controls(controls, batch).fine == want, values
+        seen[want] += 1
+    assert min(seen.values()) > 50, seen
+    # Negative control: min/max alone miss a NaN that is not first (NaN compares False).
+    assert host_floats.within([0.5, math.nan], lambda v: v > 0, lambda v: v <= 1) is False
+    assert (min([0.5, math.nan]) > 0 and max([0.5, math.nan]) <= 1) is True

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -55,8 +55,48 @@ def host_list(value: object, batch: int) -> list:
     return value.tolist() if isinstance(value, torch.Tensor) else [value] * batch
 
 
-def _rows(value: object, batch: int) -> list | None:
-    return None if value is None else host_list(value, batch)
+class HostControls(NamedTuple):
+    """A call's controls read on the host once (:func:`read_controls`), for the host paths:
+    each row's temperature, and the rows of the tensor controls (None where a control is a
+    number or off)."""
+
+    temperature: list  # per row (a number or None repeated when not a tensor)
+    top_k: list | None
+    top_p: list | None
+    min_p: list | None
+    fine: bool  # every tensor control holds a legal value (then no row is flagged for it)
+
+    def rows(self, name: str, value: object, batch: int) -> list | None:
+        """A control's per-row values (None when off): the host copy for a tensor."""
+        if value is None:
+            return None
+        read = getattr(self, name)
+        return read if read is not None else [value] * batch
+
+
+def read_controls(controls: Controls, batch: int) -> HostControls:
+    """One host read of each tensor control, and whether all of them are legal (the range
+    check of :func:`~fastsample.ops.weights.controls_in_range`, by C-level ``min``/``max``)."""
+    t, k, p, mp = controls.temperature, controls.top_k, controls.top_p, controls.min_p
+    lists = [v.tolist() if isinstance(v, torch.Tensor) else None for v in (t, k, p, mp)]
+    t_rows = lists[0] if lists[0] is not None else [t] * batch
+    fine = (
+        within(lists[0], lambda v: v >= 0, lambda v: v < math.inf)
+        and within(lists[1], lambda v: v >= 0, lambda v: True)
+        and within(lists[2], lambda v: v > 0, lambda v: v <= 1)
+        and within(lists[3], lambda v: v >= 0, lambda v: v <= 1)
+    )
+    return HostControls(t_rows, lists[1], lists[2], lists[3], fine)
+
+
+def within(values: list | None, low_ok: Callable, high_ok: Callable) -> bool:
+    """Whether every value passes both bounds (``low_ok`` on the smallest, ``high_ok`` on the
+    largest; a NaN fails), by C-level ``sum``, ``min`` and ``max`` rather than a Python loop
+    per row. True for None or no values."""
+    if not values:
+        return True
+    total = sum(values)  # NaN if any value is (or if +inf and -inf meet: then a bound fails)
+    return total == total and low_ok(min(values)) and high_ok(max(values))
 
 
 def scales(
@@ -66,12 +106,14 @@ def scales(
     count: int,
     controls: Controls,
     x_lows: Sequence[float],
+    host: HostControls,
 ) -> list[float]:
     """Each row's ``max(cut, CUT_FLOOR)`` (float32 values): the k-th weight, top-p's cut on
     the candidates (``weights[b][:count]``, largest first; ``values`` their logits, which hold
     every entry at or above ``x_lows[b]``, the smallest logit reaching the k-th weight), min-p."""
     batch = len(weights)
-    p_rows, mp_rows = _rows(controls.top_p, batch), _rows(controls.min_p, batch)
+    p_rows = host.rows("top_p", controls.top_p, batch)
+    mp_rows = host.rows("min_p", controls.min_p, batch)
     tensor_p = controls.top_p is not None and not isinstance(controls.top_p, float)
     out = []
     for b in range(batch):

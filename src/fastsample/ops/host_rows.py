@@ -45,7 +45,7 @@ from torch import Tensor
 from . import host_floats
 from .cuts import BELOW_ONE
 from .host_floats import rounded
-from .host_top_k import LOW_STEPS, HostDrawn, _controls_fine, candidate_sizes
+from .host_top_k import LOW_STEPS, HostDrawn, candidate_sizes
 from .inverse_cdf import BLOCK
 from .noise import UniformSource
 from .threads import GRAIN
@@ -100,7 +100,8 @@ def draw(
     if short and batch * vocab >= GRAIN:
         return None
     temperature = controls.temperature
-    t_rows = host_floats.host_list(temperature, batch)
+    host = host_floats.read_controls(controls, batch)
+    t_rows = host.temperature
     divisors = _divisors(temperature, t_rows)
     if divisors is None or (isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows)):
         return None  # greedy, invalid or sub-tiny temperatures: the tensor steps
@@ -117,8 +118,8 @@ def draw(
         return None  # a NaN, +inf or mostly masked row (NaN fails every comparison)
     if not short:
         values, ids = _largest(logits, chosen.indices, need)  # per row, largest first
-    if isinstance(controls.top_k, Tensor):
-        k_rows = [min(max(k, 1), count) for k in controls.top_k.tolist()]
+    if host.top_k is not None:
+        k_rows = [min(max(k, 1), count) for k in host.top_k]
     else:
         k_rows = [count] * batch
     # The candidates' logits and the floats just below each k-th one, scaled as the tensor
@@ -147,7 +148,7 @@ def draw(
         x_lows.append(x_low)
     scales = host_floats.scales(
         [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, controls,
-        x_lows,
+        x_lows, host,
     )  # fmt: skip
     kept = []
     for row, scale in zip(weights, scales, strict=True):
@@ -171,7 +172,7 @@ def draw(
             table[b * blocks + block.index] = block.total
     total = torch.frombuffer(table, dtype=torch.float64).view(batch, blocks).sum(-1)
     valid = torch.ones(batch, dtype=torch.bool, device=device)  # every row keeps a weight
-    clean = _controls_fine(controls, t_rows, batch)
+    clean = host.fine
     token_probs = None
     if clean:  # every row valid: the drawn tokens' probabilities, as finish() computes them
         token_probs = _token_probs(drawn, total.tolist(), device)

@@ -107,9 +107,10 @@ def draw(
     wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
     if batch == 0 or need > vocab or (short and batch * vocab >= GRAIN):
         return None
-    temperature, top_k = controls.temperature, controls.top_k
-    t_rows = host_floats.host_list(temperature, batch)
-    if isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows):
+    temperature = controls.temperature
+    host = host_floats.read_controls(controls, batch)
+    t_rows = host.temperature
+    if isinstance(temperature, Tensor) and not host_floats.within(t_rows, _positive, _any):
         return None  # greedy (or invalid) rows: the general steps handle them
     if short:  # the row's need largest directly (one op under the grain)
         top = torch.topk(logits, need, dim=1)
@@ -119,8 +120,7 @@ def draw(
         floor = chosen.values.amin(-1)
     # The row maximum from every block (a NaN propagates: topk need not pick a NaN block).
     peak = maxima.amax(-1)
-    bounds = floor.tolist() + peak.tolist()
-    if not all(-math.inf < f < math.inf for f in bounds):
+    if not host_floats.within(floor.tolist() + peak.tolist(), _finite, _finite):
         return None  # a NaN, +inf or mostly masked row
     if short:
         values, ids = top.values, top.indices
@@ -141,13 +141,13 @@ def draw(
 
     wide_values = values[:, :wide]
     wide_weights = weigh(wide_values)
-    if isinstance(top_k, Tensor):
-        k_rows = [min(max(k, 1), count) for k in top_k.tolist()]
+    k_lists = host.top_k
+    k_low, k_high = (count, count) if k_lists is None else (min(k_lists), max(k_lists))
+    if min(max(k_low, 1), count) == min(max(k_high, 1), count):  # one k for every row
+        kth = min(max(k_low, 1), count)
+        cut_k, x_k = wide_weights[:, kth - 1], wide_values[:, kth - 1]
     else:
-        k_rows = [count] * batch
-    if all(k == k_rows[0] for k in k_rows):
-        cut_k, x_k = wide_weights[:, k_rows[0] - 1], wide_values[:, k_rows[0] - 1]
-    else:
+        k_rows = [min(max(k, 1), count) for k in k_lists]  # type: ignore[union-attr]
         kth = torch.tensor(k_rows, device=logits.device).sub_(1)[:, None]
         cut_k, x_k = wide_weights.gather(1, kth).squeeze(1), wide_values.gather(1, kth).squeeze(1)
     # One host read: x_low, the smallest float32 reaching the k-th weight, is x_k or one of
@@ -173,7 +173,7 @@ def draw(
         distinct = all(found_flags[1:])
     elif not bool(common.all()):
         return None
-    scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls)
+    scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls, host)
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
         return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
@@ -195,7 +195,7 @@ def draw(
     )
     weights = drawn[0] if num_samples == 1 else torch.cat(drawn, dim=1)
     valid = (total > 0) & (total < math.inf)
-    if not _controls_fine(controls, t_rows, batch):
+    if not host.fine:
         from .weights import controls_in_range
 
         valid = valid & controls_in_range(controls, batch, logits.device)
@@ -224,7 +224,7 @@ def _lowest_reaching(weigh, x_k: Tensor, cut_k: Tensor) -> tuple[Tensor, Tensor]
 
 def _scale(
     wide_weights: Tensor, wide_values: Tensor, cut_k: Tensor, x_low: Tensor, count: int,
-    controls: Controls,
+    controls: Controls, host: host_floats.HostControls,
 ) -> Tensor:  # fmt: skip
     """``(B, 1)`` float32 ``max(cut_k, cut_p, cut_min, CUT_FLOOR)`` by tensor ops."""
     batch = wide_weights.shape[0]
@@ -244,7 +244,7 @@ def _scale(
             at_floor = (candidates == floor_p[:, None]).sum(-1, dtype=torch.float64)
             ties = torch.where(floor_p > cut_k, at_floor, ties)
         top_p = controls.top_p
-        cut_on = not isinstance(top_p, Tensor) or all(p < 1 for p in top_p.tolist())
+        cut_on = host.top_p is None or host_floats.within(host.top_p, _any, _below_one)
         cut_p = top_p_cut_from_candidates(candidates, floor_p, top_p, ties, cut_on)
         cut = torch.maximum(cut, cut_p)
     if cut_min is not None:
@@ -262,7 +262,7 @@ def _divisor(temperature: object, t_rows: list) -> Tensor | float | None:
         if temperature is None or temperature == 0.0:
             return None
         return max(float(temperature), _TINY)  # type: ignore[arg-type]
-    if all(_TINY <= t < math.inf for t in t_rows):
+    if host_floats.within(t_rows, _TINY.__le__, _finite):
         divisor = temperature if temperature.dtype == torch.float32 else temperature.float()
         return divisor[:, None]
     from .weights import temperature_divisor
@@ -278,20 +278,20 @@ def _rows(value: float | Tensor, batch: int, device: torch.device) -> Tensor:
     return torch.full((batch,), value, dtype=torch.float64, device=device).to(torch.float32)
 
 
-def _controls_fine(controls: Controls, t_rows: list, batch: int) -> bool:
-    """Whether every tensor control holds a legal value (host lists; then the per-row range
-    check of :func:`~fastsample.ops.weights.controls_in_range` is all True)."""
-    k, p, mp = controls.top_k, controls.top_p, controls.min_p
-    checks = (
-        (controls.temperature, lambda t: 0 <= t < math.inf, t_rows),
-        (k, lambda v: v >= 0, None),
-        (p, lambda v: 0 < v <= 1, None),
-        (mp, lambda v: 0 <= v <= 1, None),
-    )
-    for value, ok, rows in checks:
-        if isinstance(value, Tensor) and not all(map(ok, rows or value.tolist())):
-            return False
+def _positive(value: float) -> bool:
+    return value > 0
+
+
+def _any(value: float) -> bool:
     return True
+
+
+def _below_one(value: float) -> bool:
+    return value < 1
+
+
+def _finite(value: float) -> bool:
+    return -math.inf < value < math.inf
 
 
 def _reaching(
@@ -394,6 +394,8 @@ def _scan_whole_blocks(
         maxima = source.index_select(0, rows).view(-1, _GROUP).amax(-1)
         rows_per, groups_per = batch, pairs * per_block
     groups = source.view(-1, _GROUP)
+    if batch > 1:  # each candidate group's floor (its row's)
+        group_floors = floor[:, None].expand(batch, per_row).reshape(-1)
     out_pairs, out_cols, out_values = [], [], []
     for first_row in range(0, batch, rows_per):
         piece = maxima[first_row * per_row : (first_row + rows_per) * per_row]
@@ -403,22 +405,29 @@ def _scan_whole_blocks(
             group = group.add_(first_row * per_row)
         for first in range(0, group.shape[0], groups_per):
             chosen = group[first : first + groups_per]
-            pair = chosen // per_block
-            where = rows.gather(0, pair).mul_(per_block).add_(chosen % per_block)
+            # shifts and masks, not // and %: torch's int64 division is scalar (~3 ns an
+            # element), shifts are vectorized
+            pair = chosen >> _GROUPS_SHIFT
+            where = rows.gather(0, pair).mul_(per_block).add_(chosen & (per_block - 1))
             picked = groups.index_select(0, where)
-            floor_of = floor.gather(0, chosen // per_row) if batch > 1 else floor
+            floor_of = group_floors.gather(0, chosen) if batch > 1 else floor
             # flat positions of the hits: entry e of picked group i is i * _GROUP + e
             hit = (picked >= floor_of[:, None]).view(-1).nonzero().squeeze(1)
-            which, place = hit // _GROUP, hit % _GROUP
+            which, place = hit >> _GROUP_SHIFT, hit & (_GROUP - 1)
             out_values.append(picked.view(-1).gather(0, hit))
             out_pairs.append(pair.gather(0, which))
-            out_cols.append((chosen.gather(0, which) % per_block).mul_(_GROUP).add_(place))
+            column = chosen.gather(0, which).bitwise_and_(per_block - 1).mul_(_GROUP)
+            out_cols.append(column.add_(place))
     if len(out_pairs) == 1:
         return out_pairs[0], out_cols[0], out_values[0]
     return torch.cat(out_pairs), torch.cat(out_cols), torch.cat(out_values)
 
 
 _GROUP = 32  # entries per group of the two-level scan
+_GROUP_SHIFT = 5  # log2(_GROUP)
+_GROUPS_SHIFT = 3  # log2(BLOCK // _GROUP): a candidate block's groups
+_BLOCK_SHIFT = 8  # log2(BLOCK)
+assert _GROUP == 1 << _GROUP_SHIFT and BLOCK == 1 << _BLOCK_SHIFT == _GROUP << _GROUPS_SHIFT
 
 
 def _hits(content: Tensor, floors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -453,4 +462,4 @@ def _offsets(device: torch.device) -> Tensor:
 def _block_sums(kept: Tensor, ids: Tensor, blocks: int, width: int) -> Tensor:
     """``(B, blocks)`` float32 block sums of the candidates' kept weights (``kept``, ``ids``
     ``(B, c)``; every other entry is cut): bitwise the general path's block sums."""
-    return kept_block_sums(kept, ids // BLOCK, ids % BLOCK, blocks, width)
+    return kept_block_sums(kept, ids >> _BLOCK_SHIFT, ids & (BLOCK - 1), blocks, width)
