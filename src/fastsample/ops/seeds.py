@@ -19,7 +19,7 @@ numbers on every replay instead of replaying frozen generator state.
 
 from __future__ import annotations
 
-import ctypes
+from array import array
 from contextlib import AbstractContextManager, nullcontext
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -36,6 +36,7 @@ from .philox import (
 )
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = 2**64 - 1
 _STREAM_LIMIT = 1 << 24
 # 2^-53: scale of a 53-bit integer to [0, 1).
 _INV_2_53 = 2.0**-53
@@ -157,8 +158,8 @@ class CounterSource:
         return flat.narrow(1, offset, length)
 
     def _host_words(self, blocks: int) -> _HostWords | None:
-        """The rows' seeds, steps and streams packed as Python-int lanes
-        (:class:`_HostWords`) where computing the uniforms on the host is cheaper than the
+        """The rows' seeds, steps and streams read on the host (:class:`_HostWords`) where
+        computing the uniforms on the host is cheaper than the
         ~70 small tensor ops of the packed layout: CPU values in eager mode, at most
         :data:`HOST_MAX_BLOCKS` Philox blocks in all (the host reads are free there)."""
         if self._rows is not None:
@@ -169,15 +170,15 @@ class CounterSource:
             return None
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return None
-        packed = []
+        values = []
         for value in (self._seed, self._step, self.stream):
             if isinstance(value, Tensor):
                 if value.device.type != "cpu":
                     return None
-                packed.append(_tensor_bytes(value))
-            else:  # the same 64-bit word (two's complement) in every lane
-                packed.append((value % 2**64).to_bytes(8, "little") * batch)
-        return _HostWords(batch, *packed, device)
+                values.append(value.tolist())
+            else:
+                values.append([value] * batch)
+        return _HostWords(batch, *values, device)
 
     def _few_block_bits(self, purpose: Purpose, first: int, last: int) -> Tensor:
         """``(B, blocks, 2)`` 53-bit integers, packed layout: overhead-bound, so few ops."""
@@ -235,29 +236,31 @@ class CounterSource:
         return self.uniforms(Purpose.ENTRY, start, length)
 
 
-HOST_MAX_BLOCKS = 512
+HOST_MAX_BLOCKS = 128
 """Philox blocks (rows x blocks per row) up to which :class:`CounterSource` computes the
 uniforms with Python ints on CPU: every block a 64-bit lane of one big-int computation
-(:func:`~fastsample.ops.philox.philox4x32_host`), 14 us for one block, 36 us for 64, against
-~75-85 us for the ~70-op tensor layout whatever the rows (2-core Xeon, torch 2.13; the host
-cost grows with the lanes, the tensor layout's barely: crossover ~100 blocks)."""
+(:func:`~fastsample.ops.philox.philox4x32_host`), 9 us for one block, 36 us for 64 (one a
+row), 98 us for 128 (eight a row), against ~75-120 us for the ~70-op tensor layout (2-core
+Xeon, torch 2.13; the host cost grows with the lanes, the tensor layout's barely: crossover
+~250 blocks)."""
 
 
 class _HostWords(NamedTuple):
-    """A batch's seeds, steps and streams, each as ``8 * rows`` bytes: row ``b``'s value as
-    the little-endian 64-bit word ``b`` (two's complement)."""
+    """A batch's seeds, steps and streams as Python ints, one per row."""
 
     rows: int
-    seeds: bytes
-    steps: bytes
-    streams: bytes
+    seeds: list[int]
+    steps: list[int]
+    streams: list[int]
     device: torch.device
 
 
-def _tensor_bytes(value: Tensor) -> bytes:
-    """A CPU ``(B,)`` int64 tensor's memory (one copy, no per-element read)."""
-    value = value.contiguous()
-    return ctypes.string_at(value.data_ptr(), 8 * value.numel())
+def _lanes(values: list[int], repeats: int) -> int:
+    """``values`` (int64 range), repeated ``repeats`` times, as the 64-bit lanes of one int
+    (two's complement); a single value is itself (its low 64 bits)."""
+    if len(values) == 1 and repeats == 1:
+        return values[0] & _MASK64
+    return int.from_bytes(array("q", values * repeats).tobytes(), "little")
 
 
 def _host_uniforms(words: _HostWords, purpose: int, start: int, length: int) -> Tensor:
@@ -272,6 +275,8 @@ def _host_values(words: _HostWords, purpose: int, start: int, length: int) -> li
     even, odd, offset = _host_lanes(words, purpose, start, length)
     count = rows * ((offset + length + 1) // 2)
     if length == 1 and offset == 0:  # one uniform a row: the even words
+        if rows == 1:
+            return [[even * _INV_2_53]]
         return [[v * _INV_2_53] for v in memoryview(even.to_bytes(8 * rows, "little")).cast("Q")]
     halves = [memoryview(w.to_bytes(8 * count, "little")).cast("Q") for w in (even, odd)]
     # position offset + i of row b: block (offset + i) // 2, word (offset + i) % 2
@@ -304,19 +309,14 @@ def _host_lanes(words: _HostWords, purpose: int, start: int, length: int) -> tup
     Every Philox block of every row is a 64-bit lane of one computation
     (:func:`~fastsample.ops.philox.philox4x32_host`), the lanes block after block: lane
     ``j * rows + b`` is row ``b``'s block ``first + j``, so a row's word reaches its blocks'
-    lanes by repeating the rows' bytes."""
+    lanes by repeating the rows' list."""
     rows = words.rows
     first, last = start // 2, (start + length - 1) // 2
     per_row = last - first + 1
     ones = lane_ones(rows * per_row)
-
-    def spread(row_words: bytes) -> int:  # each row's word in the lanes of its blocks
-        return int.from_bytes(row_words * per_row, "little")
-
-    word = (spread(words.streams) & ones * (_STREAM_LIMIT - 1)) | ones * (purpose << 24)
-    block_words = b"".join((first + j).to_bytes(8, "little") * rows for j in range(per_row))
-    blocks = int.from_bytes(block_words, "little")
-    step, seed = spread(words.steps), spread(words.seeds)
+    word = (_lanes(words.streams, per_row) & ones * (_STREAM_LIMIT - 1)) | ones * (purpose << 24)
+    blocks = _lanes([first + j for j in range(per_row) for _ in range(rows)], 1)
+    step, seed = _lanes(words.steps, per_row), _lanes(words.seeds, per_row)
     x0, x1, x2, x3 = philox4x32_host(
         blocks, word, step, step >> 32, seed, seed >> 32, lanes=rows * per_row
     )  # the garbage that >> 32 brings into a lane's high half is masked there
