@@ -10,7 +10,9 @@ call needs (about a hundred at B=1 instead of ~300; ``docs/cpu-primitive-costs.m
    row are among the entries of these blocks that reach ``floor``, which for continuous
    logits are barely more than ``need``. The blocks are scanned in pieces of fewer than
    :data:`~fastsample.ops.threads.GRAIN` entries (a row of them is 13,056 at ``k = 50``), so
-   no op opens a parallel region whatever the batch;
+   no op opens a parallel region, up to the batch where the scan is a pass of its own
+   (:func:`~fastsample.ops.threads.serial_scan`, B >= 41 at ``k = 50``): then each of its
+   steps is one op on torch's threads;
 2. the weights of those candidates only, the k-th weight of each row, and one host read that
    decides the common case: ``x_low``, the smallest logit reaching the k-th weight, is the
    k-th logit or one of the few floats below it that weigh as much, and the

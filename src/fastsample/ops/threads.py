@@ -27,6 +27,10 @@ it with a warning). Instead:
   small (fewer than :data:`PARALLEL_PASS_ELEMENTS`, B <= 8 at V = 128,256: the second thread
   would save tens of microseconds and risk milliseconds), and keep torch's threads above: one
   region per pass, ~2.5x faster than one thread on the quiet 2-core machine at B=64;
+* the small-top-k path's candidate scan (a copy of the ``k`` best blocks of each row, their
+  groups' maxima, the entries reaching the floor) counts as such a pass at large batches
+  (:func:`serial_scan`: B x k x 256 entries counted double, as they cost ~2.5x a pass's per
+  entry): at B=64, k=50 it is three regions, 0.8 -> 0.3 ms on the quiet 2-core machine;
 * ``FASTSAMPLE_CPU_SERIAL`` (read at every call) overrides that: ``1`` runs every pass in
   pieces (a call then opens no parallel region at all), ``0`` runs every pass as one op.
 
