@@ -40,6 +40,7 @@ import math
 import torch
 from torch import Tensor
 
+from .kernels import backend as kernel_backend  # imports no triton
 from .ops.cuts import keep_at_least, predecessor, row_cuts
 from .ops.inverse_cdf import block_sums
 from .ops.select import block_maxima, first_argmax
@@ -161,8 +162,6 @@ def process_checked(logits: Tensor | None, probs: Tensor | None, controls: Contr
     source = logits if logits is not None else probs
     assert source is not None
     vocab = source.shape[1]
-    from .kernels import backend as kernel_backend  # imports no triton
-
     if kernel_backend.use_triton(source.device.type):  # FASTSAMPLE_BACKEND
         from .kernels import controls_ops
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..controls import Processed, processed_weights
+from ..kernels import backend as kernel_backend  # imports no triton
 from ..ops import small_top_k
 from ..ops import validation as v
 from ..ops.inverse_cdf import inverse_cdf_draw
@@ -79,8 +80,6 @@ def draw(
     ``want_greedy``: report the greedy rows even where it costs an op (the kernels')."""
     batch, vocab = source.shape
     logits, probs = (source, None) if is_logits else (None, source)
-    from ..kernels import backend as kernel_backend  # imports no triton
-
     if kernel_backend.use_triton(source.device.type):  # FASTSAMPLE_BACKEND
         from ..kernels import controls_ops
 

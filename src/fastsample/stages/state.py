@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..kernels import backend as kernel_backend  # imports no triton
 from ..ops import bitmask
 from ..ops.threads import GRAIN
 
@@ -234,8 +235,6 @@ class TokenStats:
             raise ValueError(f"token_ids is on {token_ids.device}, the stats on {self.device}")
         if token_ids.shape[1] == 0:
             return
-        from ..kernels import backend as kernel_backend  # imports no triton
-
         if kernel_backend.use_triton(self.device.type):  # one launch (kernels/stats.py)
             from ..kernels import step_ops
 
