@@ -77,13 +77,14 @@ def refresh_words(words: Tensor, word_ids: Tensor, bits: Tensor) -> Tensor:
     return words.scatter_(1, word_ids, as_int32(lanes.sum(-1)))
 
 
-def set_bits(words: Tensor) -> tuple[Tensor, Tensor]:
+def set_bits(words: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
     """``(row, column)`` of every set bit of ``(R, W)`` int32 ``words`` (as 64-bit words when
-    ``W`` is even: half as many to scan). The nonzero words are a few hundred per row of a
-    128k vocabulary and most hold one bit, so rounds take each word's lowest set bit (its
-    index is the exponent of a power of two, exact in float64) until the few words left can
-    give all their bits at once (one shift per bit) with fewer entries than the parallel
-    grain."""
+    ``W`` is even: half as many to scan), only the columns below ``width`` if given (a bit
+    past the vocabulary in the last word means nothing). The nonzero words are a few hundred
+    per row of a 128k vocabulary and most hold one bit, so rounds take each word's lowest set
+    bit (its index is the exponent of a power of two, exact in float64) until the few words
+    left can give all their bits at once (one shift per bit) with fewer entries than the
+    parallel grain."""
     if words.shape[1] % 2 == 0 and words.is_contiguous():
         words, bits = words.view(torch.int64), 64
     else:
@@ -106,5 +107,10 @@ def set_bits(words: Tensor) -> tuple[Tensor, Tensor]:
         left = (value.bitwise_xor_(low) != 0).nonzero().squeeze(1)
         row, word, value = row[left], word[left], value[left]
     if len(rows_out) == 1:
-        return rows_out[0], columns_out[0]
-    return torch.cat(rows_out), torch.cat(columns_out)
+        rows, columns = rows_out[0], columns_out[0]
+    else:
+        rows, columns = torch.cat(rows_out), torch.cat(columns_out)
+    if width is not None and width % WORD_BITS:
+        inside = columns < width
+        rows, columns = rows[inside], columns[inside]
+    return rows, columns

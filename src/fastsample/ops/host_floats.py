@@ -50,11 +50,6 @@ def _f32(value: float) -> float:
     return rounded((value,))[0]
 
 
-def host_list(value: object, batch: int) -> list:
-    """A control's values per row: a tensor's, read on the host, or a number ``batch`` times."""
-    return value.tolist() if isinstance(value, torch.Tensor) else [value] * batch
-
-
 class HostControls(NamedTuple):
     """A call's controls read on the host once (:func:`read_controls`), for the host paths:
     each row's temperature, and the rows of the tensor controls (None where a control is a

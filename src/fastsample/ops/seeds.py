@@ -159,9 +159,9 @@ class CounterSource:
 
     def _host_words(self, blocks: int) -> _HostWords | None:
         """The rows' seeds, steps and streams read on the host (:class:`_HostWords`) where
-        computing the uniforms on the host is cheaper than the
-        ~70 small tensor ops of the packed layout: CPU values in eager mode, at most
-        :data:`HOST_MAX_BLOCKS` Philox blocks in all (the host reads are free there)."""
+        computing the uniforms there is cheaper than the ~70 small tensor ops of the packed
+        layout: CPU values in eager mode, at most :data:`HOST_MAX_BLOCKS` Philox blocks in
+        all (the host reads are free there)."""
         if self._rows is not None:
             batch, device = self._rows
         else:
@@ -270,20 +270,16 @@ def _host_uniforms(words: _HostWords, purpose: int, start: int, length: int) -> 
 
 
 def _host_values(words: _HostWords, purpose: int, start: int, length: int) -> list[list[float]]:
-    """The uniforms of :func:`_host_uniforms` as Python floats, row by row (no tensor op)."""
+    """The uniforms of :func:`_host_uniforms` as Python floats, row by row (one uniform a
+    row, the host paths' draw, without a tensor op)."""
     rows = words.rows
-    even, odd, offset = _host_lanes(words, purpose, start, length)
-    count = rows * ((offset + length + 1) // 2)
-    if length == 1 and offset == 0:  # one uniform a row: the even words
+    if length == 1 and start % 2 == 0:  # one uniform a row: the even words
+        even = _host_lanes(words, purpose, start, length)[0]
         if rows == 1:
             return [[even * _INV_2_53]]
         return [[v * _INV_2_53] for v in memoryview(even.to_bytes(8 * rows, "little")).cast("Q")]
-    halves = [memoryview(w.to_bytes(8 * count, "little")).cast("Q") for w in (even, odd)]
-    # position offset + i of row b: block (offset + i) // 2, word (offset + i) % 2
-    return [
-        [halves[p % 2][(p // 2) * rows + b] * _INV_2_53 for p in range(offset, offset + length)]
-        for b in range(rows)
-    ]
+    bits = _host_bits(words, purpose, start, length).tolist()
+    return [[v * _INV_2_53 for v in row] for row in bits]
 
 
 def _host_bits(words: _HostWords, purpose: int, start: int, length: int) -> Tensor:

@@ -142,10 +142,7 @@ def _sparse_piece_(x, stats, rep, freq, pres, rows, extra, first) -> Tensor:
     else:
         words = stats.seen_mask.index_select(0, rows)
         state_rows = rows
-    pos_row, pos_col = bitmask.set_bits(words)
-    if vocab % bitmask.WORD_BITS:  # bits past the vocabulary in the last word: none are set
-        inside = pos_col < vocab
-        pos_row, pos_col = pos_row[inside], pos_col[inside]
+    pos_row, pos_col = bitmask.set_bits(words, vocab)
     seen = None  # every bit-mask position is seen
     seen_count = pos_row.shape[0]
     if extra is not None and extra.shape[1]:

@@ -199,10 +199,7 @@ class TokenStats:
         change (:meth:`assign`; :meth:`select` and :meth:`cat` make a new state). The masks
         change through these methods only."""
         if self._positions is None:
-            rows, columns = bitmask.set_bits(self.seen_mask)
-            if self.vocab % bitmask.WORD_BITS:  # a bit past the vocabulary means nothing
-                inside = columns < self.vocab
-                rows, columns = rows[inside], columns[inside]
+            rows, columns = bitmask.set_bits(self.seen_mask, self.vocab)
             self._positions = []
             self._append_positions(rows, columns)
         return self._positions
