@@ -283,6 +283,43 @@ def test_a_seeded_row_draws_the_same_tokens_alone_and_in_a_batch():
         assert got[position, 0] == alone[0, 0]
 
 
+def test_settings_a_batch_shares_are_numbers_with_the_tensors_draws():
+    """Controls whose rows all hold one legal value reach sample_step as Python numbers (the
+    shorter paths); the draws and logprobs are bitwise those of the same values as tensors.
+    Rows that differ, and a value out of range (flagged per row, never raised), stay
+    tensors."""
+    shared = [Request(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=s, logprobs=3)
+              for s in (1, 2, 3)]  # fmt: skip
+    logits = logits_for(3, seed=12)
+    plan = plan_of(shared, logits)
+    c = plan.params.controls
+    assert (c.temperature, c.top_k, c.top_p, c.min_p) == (
+        torch.tensor(0.7).item(), 40, torch.tensor(0.9).item(), torch.tensor(0.05).item())
+    as_tensors = fs.StepParams(
+        3, V, temperature=torch.full((3,), 0.7), top_k=torch.full((3,), 40),
+        top_p=torch.full((3,), 0.9), min_p=torch.full((3,), 0.05), cut_order="vllm",
+        seed=plan.params.seed, top_logprobs=3, logprobs_mode="raw", token_ranks=True,
+    )  # fmt: skip
+    assert plan.params.logprobs_mode == "raw" and plan.params.top_logprobs == 3
+    for step in range(6):
+        position = torch.full((3,), step)
+        got = fs.sample_step(logits, params=plan.params, step=position)
+        want = fs.sample_step(logits, params=as_tensors, step=position)
+        for field in got._fields:
+            a, b = getattr(got, field), getattr(want, field)
+            assert (a is None and b is None) or torch.equal(a, b), field
+    one = plan_of(shared[:1], logits[:1]).params.controls  # a batch of one always shares
+    assert isinstance(one.temperature, float) and isinstance(one.top_k, int)
+    mixed = plan_of([shared[0], Request(temperature=1.3, top_k=40)], logits[:2]).params
+    assert isinstance(mixed.controls.temperature, torch.Tensor) and mixed.controls.top_k == 40
+    md = sampling_metadata(shared, V)
+    md = replace(md, top_p=torch.zeros(3))  # no request can ask it: out of range
+    params = build_plan(md, logits, "raw_logprobs").params
+    assert isinstance(params.controls.top_p, torch.Tensor)
+    out = fs.sample_step(logits, params=params, step=torch.zeros(3, dtype=torch.int64))
+    assert not out.valid.any()
+
+
 def test_tokens_are_sample_steps_with_the_seed_and_position():
     requests = [Request(temperature=0.7, top_k=40, seed=s) for s in (1, 2, 3)]
     logits = logits_for(3, seed=9)

@@ -149,6 +149,8 @@ def _top_p_cut(candidates: Sequence[float], floor: float, p: float, ties: float,
 
 
 _block = tuple.__new__
+_BLOCK_SHIFT = BLOCK.bit_length() - 1  # log2(BLOCK): a column's block is column >> this
+_IN_BLOCK = BLOCK - 1  # its place in the block: column & this
 
 
 class Block(NamedTuple):
@@ -170,24 +172,23 @@ def block_values(
     call for all of them): that order is the vectorized one."""
     out, crowded = [], []
     for weights, columns in zip(kept, ids, strict=True):
-        entries = sorted((c, w) for c, w in zip(columns, weights, strict=True) if w > 0)
+        groups: dict[int, list[tuple[int, float]]] = {}  # block -> its (column, weight)
+        for column, weight in zip(columns, weights, strict=True):
+            if weight > 0:
+                groups.setdefault(column >> _BLOCK_SHIFT, []).append((column & _IN_BLOCK, weight))
         row: list[Block] = []
-        start, count = 0, len(entries)
-        while start < count:  # the runs of entries in one block
-            block = entries[start][0] // BLOCK
-            end = start + 1
-            while end < count and entries[end][0] // BLOCK == block:
-                end += 1
-            members = [(c - block * BLOCK, w) for c, w in entries[start:end]]
-            if end - start > 2:
-                crowded.append((len(out), len(row)))
-                total = 0.0  # below
-            elif end - start == 2:
-                total = _f32(members[0][1] + members[1][1])
-            else:
+        for block in sorted(groups):
+            members = groups[block]
+            if len(members) == 1:
                 total = members[0][1]
+            else:
+                members.sort()  # column order
+                if len(members) == 2:  # one rounding whatever the order
+                    total = _f32(members[0][1] + members[1][1])
+                else:
+                    crowded.append((len(out), len(row)))
+                    total = 0.0  # below
             row.append(_block(Block, (block, total, members)))  # no Python-level __new__
-            start = end
         out.append(row)
     if crowded:
         sums = _tile_sums([out[b][i] for b, i in crowded], width)

@@ -124,15 +124,18 @@ def draw(
         k_rows = [count] * batch
     # The candidates' logits and the floats just below each k-th one, scaled as the tensor
     # path scales them, then one exp for all: weights[b][wide + i] weighs lows[b][i].
-    scaled, lows = [], []
+    scaled, lows = array("f"), []  # float32, as the tensor ops would hold them
     for row, peak, divisor, k in zip(values, peaks, divisors, k_rows, strict=True):
         below = [_below(row[k - 1])]
         for _ in range(LOW_STEPS - 1):
             below.append(_below(below[-1]))
         lows.append(below)
         shifted = rounded([x - peak for x in row[:wide]] + [x - peak for x in below])
-        scaled.append(shifted if divisor is None else rounded([x / divisor for x in shifted]))
-    weights = torch.tensor(scaled, dtype=torch.float32).exp_().tolist()
+        scaled.extend(shifted if divisor is None else rounded([x / divisor for x in shifted]))
+    # exp in place in the float32 array (the tensor shares its buffer): no list to parse
+    torch.frombuffer(scaled, dtype=torch.float32).exp_()
+    per_row = wide + LOW_STEPS
+    weights = [scaled[b * per_row : (b + 1) * per_row] for b in range(batch)]
     # x_low, the smallest float32 reaching the k-th weight: the k-th logit, or a few floats
     # below it where the subtraction or the division rounds them together.
     x_lows = []
@@ -263,7 +266,8 @@ def _token_probs(drawn: list[float], totals: list[float], device: torch.device):
     same IEEE division), the difference of torch's float64 logs (one op for all of them, the
     same function per element), each rounded once to float32."""
     batch = len(drawn)
-    logs = torch.tensor(drawn + totals, dtype=torch.float64).log_().tolist()
+    logs = array("d", drawn + totals)
+    torch.frombuffer(logs, dtype=torch.float64).log_()  # in place in the array
     probs = [d / t for d, t in zip(drawn, totals, strict=True)]
     logprobs = [logs[b] - logs[batch + b] for b in range(batch)]
     if batch == 1:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..ops.validation import check_controls
 from ..stages import StepParams, TokenStats
 from .batch import Rows
 from .state import CALLS
@@ -134,6 +135,29 @@ def _allowed(metadata, batch: int) -> list[list[int] | None] | None:
         torch.nonzero(~mask[b]).flatten().tolist() if restricted[b] else None
         for b in range(batch)
     ]
+
+
+def _as_numbers(controls: dict[str, Tensor | float | None], vocab: int) -> dict:
+    """The controls whose rows all hold one legal value, as that Python number (a CPU tensor:
+    the host read is free, once per plan). A number and a tensor of it give every row bitwise
+    the same draws and logprobs (``tests/ops/test_tensor_controls_cpu.py``), and the number
+    takes the shorter paths: nothing to read or range-check per step. Serving batches often
+    share their settings, and a batch of one always does."""
+    out = dict(controls)
+    for name, value in controls.items():
+        if not isinstance(value, Tensor) or value.device.type != "cpu" or value.numel() == 0:
+            continue
+        number = value[0].item()
+        if not bool((value == number).all()):  # also keeps a NaN a tensor (NaN != NaN)
+            continue
+        single = dict.fromkeys(controls)
+        single[name] = number
+        try:  # an out-of-range value stays a tensor: its rows are flagged, not raised
+            check_controls(**single, batch=value.numel(), vocab=vocab, device=value.device)
+        except ValueError:
+            continue
+        out[name] = number
+    return out
 
 
 def _penalties(metadata) -> dict[str, Tensor]:
@@ -267,13 +291,16 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
     else:
         num_logprobs_fs = num_logprobs if num_logprobs and num_logprobs > 0 else 0
         ids_fs = ids
-    params = StepParams(
-        batch, vocab,
-        device=device,
+    controls = _as_numbers(dict(
         temperature=temperature,
         top_k=None if metadata.top_k is None else metadata.top_k[:batch],
         top_p=None if metadata.top_p is None else metadata.top_p[:batch],
         min_p=_min_p(metadata, batch, device),
+    ), vocab)  # fmt: skip
+    params = StepParams(
+        batch, vocab,
+        device=device,
+        **controls,
         cut_order="vllm",
         seed=keys,
         allowed_token_ids=allowed,
