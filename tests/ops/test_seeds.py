@@ -107,6 +107,42 @@ def test_host_uniforms_are_the_tensor_layouts_bits(monkeypatch):
     assert torch.equal(host, packed)
 
 
+def test_first_draws_looked_up_ahead_are_the_tensor_layouts_bits(monkeypatch):
+    """One draw a row, step after step (host_rows): the uniforms computed LOOKAHEAD steps
+    ahead and looked up are bit for bit the tensor layout's, for one and two rows, seeds and
+    streams that differ, past the lookahead, when the table is cleared, and for steps at the
+    end of int64 (no lookahead past it). A table that keyed the uniforms without the step
+    would repeat one uniform: the first check below would fail."""
+    from fastsample.ops import seeds
+
+    def tensor_layout(seed, step, stream):
+        monkeypatch.setattr(seeds, "HOST_MAX_BLOCKS", 0)
+        want = CounterSource(seed, step, stream).row_uniforms(1).tolist()
+        monkeypatch.undo()
+        return want
+
+    seeds._FIRST_DRAWS.clear()
+    cases = (
+        (torch.tensor([11]), 0, 40),
+        (torch.tensor([-5, 2**62]), Stream.TARGET, 2**40 - 3),
+        (torch.tensor([7]), torch.tensor([3]), 2**63 - 20),
+    )
+    for seed, stream, first in cases:
+        got = []
+        for step in range(first, min(first + 2 * seeds.LOOKAHEAD + 3, 2**63)):
+            steps = torch.full(seed.shape, step)
+            floats = CounterSource(seed, steps, stream).host_row_uniforms(1)
+            assert floats == tensor_layout(seed, steps, stream), (step, seed)
+            got.append(floats)
+        assert len({f[0][0] for f in got}) == len(got)  # a fresh uniform at every step
+    assert len(seeds._FIRST_DRAWS) > 0
+    monkeypatch.setattr(seeds, "_FIRST_DRAWS_MAX", 20)  # cleared when the next fill is over it
+    seed, steps = torch.tensor([3, 4]), torch.tensor([100, 900])
+    assert CounterSource(seed, steps, 0).host_row_uniforms(1) == tensor_layout(seed, steps, 0)
+    assert len(seeds._FIRST_DRAWS) == 2 * seeds.LOOKAHEAD
+    monkeypatch.undo()
+
+
 def test_entry_uniforms_are_keyed_by_global_index():
     """A vocabulary shard reproduces its slice of the full row's noise, at any offset."""
     src = source([3, 4], [10, 11])

@@ -139,6 +139,10 @@ def blockwise_(values: Tensor, out: Tensor, block: int, reduce: str) -> Tensor:
         rows = values[:, : blocks * block]
         pieces = [(rows[b].reshape(blocks, block), out[b]) for b in range(batch)]
     for source, result in pieces:
-        for start in range(0, source.shape[0], step):
-            op(source[start : start + step], -1, out=result[start : start + step])
+        count = source.shape[0]
+        sizes = [step] * (count // step) + ([count % step] if count % step else [])
+        # split_with_sizes: every piece's view from one call (slicing costs ~1 us a view)
+        parts = zip(source.split_with_sizes(sizes), result.split_with_sizes(sizes), strict=True)
+        for part, into in parts:
+            op(part, -1, out=into)
     return out
