@@ -21,7 +21,8 @@ Python floats on ~50 candidates, with exactly the numbers of the general path:
    and the threshold), the blocks holding them (:func:`.host_floats.block_values`, a block
    of three or more summed by torch as the general path sums it) and the draw
    (:func:`.host_floats.draw_one`), its uniform from the host
-   (:meth:`~.seeds.CounterSource.host_row_uniforms`);
+   (:meth:`~.seeds.CounterSource.host_row_uniforms`: computed for the next
+   :data:`~.seeds.LOOKAHEAD` steps at once, then looked up);
 4. the outputs: the row's total (torch's float64 sum over its block table, the general
    path's order), the drawn ids and weights and, for clean rows, their probabilities and
    log-probabilities (:func:`~fastsample.stages.output.finish`'s numbers), the top-N in the

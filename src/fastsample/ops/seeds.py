@@ -256,7 +256,7 @@ paying ~9-30 us of Python Philox (more right after the engine's own passes evict
 # (seed, stream, step) -> the uniform of position 0 of the DRAW purpose: a pure function of
 # the key, so the table is never stale; cleared when full (it only saves work).
 _FIRST_DRAWS: dict[tuple[int, int, int], float] = {}
-_FIRST_DRAWS_MAX = 1 << 14
+_FIRST_DRAWS_MAX = 1 << 12  # ~0.6 MB; 128 windows of 16 steps for two rows
 
 
 def _first_draws(words: _HostWords) -> list[list[float]]:

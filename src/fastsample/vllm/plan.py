@@ -11,6 +11,9 @@ and, with penalties, the state's update with the emitted tokens.
 The mapping, field by field (vLLM 0.32, ``vllm/v1/sample/metadata.py`` and the built-in
 logits processors of ``vllm/v1/sample/logits_processor/builtin.py``):
 
+* A control whose rows all hold one legal value (a batch of one always does; serving batches
+  often share their settings) is passed as that Python number, the shorter paths: a number
+  and a tensor of it draw bitwise the same tokens.
 * ``temperature``: 0.0 marks a greedy row (vLLM's rule ``T < 1e-5``; the input batch stores
   0.0, and ``SamplingParams`` raises 0 < T < 0.01 to 0.01); None: every row greedy.
 * ``top_k`` (``V`` = off), ``top_p``, and min-p from the ``MinPLogitsProcessor``, in vLLM's

@@ -8,9 +8,11 @@ Three parts (vLLM's CPU build, 0.32; nothing downloaded):
    made outside the timed region, for every contender), ``N(0, 3^2)`` float32 logits. Beside
    them :func:`fastsample.sample_step` called directly with the plugin's parameters and state
    (its update included): the plugin's own time per step is the difference. Settings: T/k/p
-   (T=0.7, k=50, p=0.9) unseeded and seeded, with penalties (512 prompt and 128 output tokens
-   a row; repetition 1.1, frequency 0.2, presence 0.1), with 5 logprobs, and all of these at
-   once; greedy. Ratios are vLLM's time over the plugin's. The plan (StepParams and
+   (T=0.7, k=50, p=0.9) unseeded and seeded, every row the same (the plugin passes settings
+   a batch shares as Python numbers); seeded with each row its own T/k/p ("rows differ":
+   per-row tensors); with penalties (512 prompt and 128 output tokens a row; repetition
+   1.1, frequency 0.2, presence 0.1), with 5 logprobs, and all of these at once; greedy.
+   Ratios are vLLM's time over the plugin's. The plan (StepParams and
    TokenStats, built when the batch changes) is timed apart.
 2. **End to end.** ``LLM.generate`` throughput of a tiny random Llama (vocabulary 512 and
    32,000) in one in-process engine, with the plugin and with vLLM's own sampler
@@ -44,8 +46,8 @@ from .vllm_batch import Request, sampling_metadata
 
 TKP = dict(temperature=0.7, top_k=50, top_p=0.9)
 PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
-SETTINGS = ("greedy", "T/k/p", "T/k/p seeded", "T/k/p + penalties", "T/k/p + 5 logprobs",
-            "T/k/p + penalties + 5 logprobs")  # fmt: skip
+SETTINGS = ("greedy", "T/k/p", "T/k/p seeded", "T/k/p seeded, rows differ", "T/k/p + penalties",
+            "T/k/p + 5 logprobs", "T/k/p + penalties + 5 logprobs")  # fmt: skip
 TARGETS = {  # (setting, batch): the issues' target for vLLM's time over the plugin's
     ("T/k/p seeded", 1): 20.0,
     ("T/k/p seeded", 64): 80.0,
@@ -65,6 +67,10 @@ def requests(setting: str, batch: int, vocab: int, seed: int = 0) -> list[Reques
     rows = []
     for b in range(batch):
         settings: dict[str, Any] = dict(TKP)
+        if "rows differ" in setting:  # per-row tensors (shared settings reach fastsample as
+            # Python numbers): T 0.6-0.9, k 40-60, p 0.85-0.95 around TKP
+            settings.update(temperature=0.6 + 0.1 * (b % 4), top_k=40 + 10 * (b % 3),
+                            top_p=0.85 + 0.05 * (b % 3))  # fmt: skip
         if "seeded" in setting:
             settings["seed"] = 1000 + b
         if "penalties" in setting:
