@@ -60,13 +60,16 @@ class HostControls(NamedTuple):
     top_p: list | None
     min_p: list | None
     fine: bool  # every tensor control holds a legal value (then no row is flagged for it)
+    controls: Controls  # what was read
 
-    def rows(self, name: str, value: object, batch: int) -> list | None:
-        """A control's per-row values (None when off): the host copy for a tensor."""
+    def rows(self, name: str) -> list | None:
+        """A control's per-row values (None when off): the host copy of a tensor, else its
+        number once a row."""
+        value = getattr(self.controls, name)
         if value is None:
             return None
         read = getattr(self, name)
-        return read if read is not None else [value] * batch
+        return read if read is not None else [value] * len(self.temperature)
 
 
 def read_controls(controls: Controls, batch: int) -> HostControls:
@@ -81,7 +84,7 @@ def read_controls(controls: Controls, batch: int) -> HostControls:
         and within(lists[2], lambda v: v > 0, lambda v: v <= 1)
         and within(lists[3], lambda v: v >= 0, lambda v: v <= 1)
     )
-    return HostControls(t_rows, lists[1], lists[2], lists[3], fine)
+    return HostControls(t_rows, lists[1], lists[2], lists[3], fine, controls)
 
 
 def within(values: list | None, low_ok: Callable, high_ok: Callable) -> bool:
@@ -97,21 +100,36 @@ def within(values: list | None, low_ok: Callable, high_ok: Callable) -> bool:
     return total == total and low_ok(min(values)) and high_ok(max(values))
 
 
+# Bounds for within():
+def positive(value: float) -> bool:
+    return value > 0
+
+
+def any_value(value: float) -> bool:
+    return True
+
+
+def below_one(value: float) -> bool:
+    return value < 1
+
+
+def finite(value: float) -> bool:
+    return -math.inf < value < math.inf
+
+
 def scales(
     weights: Sequence[Sequence[float]],
     values: Sequence[Sequence[float]],
     k_rows: Sequence[int],
     count: int,
-    controls: Controls,
     x_lows: Sequence[float],
     host: HostControls,
 ) -> list[float]:
     """Each row's ``max(cut, CUT_FLOOR)`` (float32 values): the k-th weight, top-p's cut on
     the candidates (``weights[b][:count]``, largest first; ``values`` their logits, which hold
     every entry at or above ``x_lows[b]``, the smallest logit reaching the k-th weight), min-p."""
-    batch = len(weights)
-    p_rows = host.rows("top_p", controls.top_p, batch)
-    mp_rows = host.rows("min_p", controls.min_p, batch)
+    batch, controls = len(weights), host.controls
+    p_rows, mp_rows = host.rows("top_p"), host.rows("min_p")
     tensor_p = controls.top_p is not None and not isinstance(controls.top_p, float)
     out = []
     for b in range(batch):

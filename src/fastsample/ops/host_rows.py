@@ -77,7 +77,7 @@ def _divisors(temperature: object, t_rows: list) -> list[float | None] | None:
         if temperature is None or temperature == 0.0:
             return [None] * len(t_rows)
         return [rounded([max(float(temperature), _TINY)])[0]] * len(t_rows)  # type: ignore[arg-type]
-    if all(_TINY <= t < math.inf for t in t_rows):
+    if host_floats.within(t_rows, _TINY.__le__, host_floats.finite):  # every row positive, finite
         return list(rounded(t_rows))
     return None
 
@@ -104,7 +104,7 @@ def draw(
     host = host_floats.read_controls(controls, batch)
     t_rows = host.temperature
     divisors = _divisors(temperature, t_rows)
-    if divisors is None or (isinstance(temperature, Tensor) and not all(t > 0 for t in t_rows)):
+    if divisors is None:
         return None  # greedy, invalid or sub-tiny temperatures: the tensor steps
     # The row maximum from every block (a NaN propagates: topk need not pick a NaN block).
     peaks = maxima.amax(-1).tolist()
@@ -151,8 +151,8 @@ def draw(
             return None  # the num_top largest are not all candidates
         x_lows.append(x_low)
     scales = host_floats.scales(
-        [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, controls,
-        x_lows, host,
+        [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, x_lows,
+        host,
     )  # fmt: skip
     kept = []
     for row, scale in zip(weights, scales, strict=True):

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from . import host_floats, threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
+from .host_floats import any_value, below_one, finite, positive
 from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums
 from .noise import UniformSource
 from .select import _largest_first
@@ -112,7 +113,7 @@ def draw(
     temperature = controls.temperature
     host = host_floats.read_controls(controls, batch)
     t_rows = host.temperature
-    if isinstance(temperature, Tensor) and not host_floats.within(t_rows, _positive, _any):
+    if isinstance(temperature, Tensor) and not host_floats.within(t_rows, positive, any_value):
         return None  # greedy (or invalid) rows: the general steps handle them
     if short:  # the row's need largest directly (one op under the grain)
         top = torch.topk(logits, need, dim=1)
@@ -122,7 +123,7 @@ def draw(
         floor = chosen.values.amin(-1)
     # The row maximum from every block (a NaN propagates: topk need not pick a NaN block).
     peak = maxima.amax(-1)
-    if not host_floats.within(floor.tolist() + peak.tolist(), _finite, _finite):
+    if not host_floats.within(floor.tolist() + peak.tolist(), finite, finite):
         return None  # a NaN, +inf or mostly masked row
     if short:
         values, ids = top.values, top.indices
@@ -246,7 +247,7 @@ def _scale(
             at_floor = (candidates == floor_p[:, None]).sum(-1, dtype=torch.float64)
             ties = torch.where(floor_p > cut_k, at_floor, ties)
         top_p = controls.top_p
-        cut_on = host.top_p is None or host_floats.within(host.top_p, _any, _below_one)
+        cut_on = host.top_p is None or host_floats.within(host.top_p, any_value, below_one)
         cut_p = top_p_cut_from_candidates(candidates, floor_p, top_p, ties, cut_on)
         cut = torch.maximum(cut, cut_p)
     if cut_min is not None:
@@ -264,7 +265,7 @@ def _divisor(temperature: object, t_rows: list) -> Tensor | float | None:
         if temperature is None or temperature == 0.0:
             return None
         return max(float(temperature), _TINY)  # type: ignore[arg-type]
-    if host_floats.within(t_rows, _TINY.__le__, _finite):
+    if host_floats.within(t_rows, _TINY.__le__, finite):
         divisor = temperature if temperature.dtype == torch.float32 else temperature.float()
         return divisor[:, None]
     from .weights import temperature_divisor
@@ -278,22 +279,6 @@ def _rows(value: float | Tensor, batch: int, device: torch.device) -> Tensor:
     if isinstance(value, Tensor):
         return value.to(torch.float64).to(torch.float32)
     return torch.full((batch,), value, dtype=torch.float64, device=device).to(torch.float32)
-
-
-def _positive(value: float) -> bool:
-    return value > 0
-
-
-def _any(value: float) -> bool:
-    return True
-
-
-def _below_one(value: float) -> bool:
-    return value < 1
-
-
-def _finite(value: float) -> bool:
-    return -math.inf < value < math.inf
 
 
 def _reaching(
