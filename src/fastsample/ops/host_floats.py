@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .cuts import CUT_FLOOR
-from .inverse_cdf import BLOCK, tile_sums
+from .inverse_cdf import BLOCK, BLOCK_SHIFT, tile_sums
 from .validation import Controls
 
 HOST_ROWS = 2
@@ -79,10 +79,10 @@ def read_controls(controls: Controls, batch: int) -> HostControls:
     lists = [v.tolist() if isinstance(v, torch.Tensor) else None for v in (t, k, p, mp)]
     t_rows = lists[0] if lists[0] is not None else [t] * batch
     fine = (
-        within(lists[0], lambda v: v >= 0, lambda v: v < math.inf)
-        and within(lists[1], lambda v: v >= 0, lambda v: True)
-        and within(lists[2], lambda v: v > 0, lambda v: v <= 1)
-        and within(lists[3], lambda v: v >= 0, lambda v: v <= 1)
+        within(lists[0], _non_negative, _below_inf)
+        and within(lists[1], _non_negative, any_value)
+        and within(lists[2], positive, _at_most_one)
+        and within(lists[3], _non_negative, _at_most_one)
     )
     return HostControls(t_rows, lists[1], lists[2], lists[3], fine, controls)
 
@@ -115,6 +115,18 @@ def below_one(value: float) -> bool:
 
 def finite(value: float) -> bool:
     return -math.inf < value < math.inf
+
+
+def _non_negative(value: float) -> bool:
+    return value >= 0
+
+
+def _below_inf(value: float) -> bool:
+    return value < math.inf
+
+
+def _at_most_one(value: float) -> bool:
+    return value <= 1
 
 
 def scales(
@@ -167,8 +179,7 @@ def _top_p_cut(candidates: Sequence[float], floor: float, p: float, ties: float,
 
 
 _block = tuple.__new__
-_BLOCK_SHIFT = BLOCK.bit_length() - 1  # log2(BLOCK): a column's block is column >> this
-_IN_BLOCK = BLOCK - 1  # its place in the block: column & this
+_IN_BLOCK = BLOCK - 1  # a column's place in its block: column & this
 
 
 class Block(NamedTuple):
@@ -193,7 +204,7 @@ def block_values(
         groups: dict[int, list[tuple[int, float]]] = {}  # block -> its (column, weight)
         for column, weight in zip(columns, weights, strict=True):
             if weight > 0:
-                groups.setdefault(column >> _BLOCK_SHIFT, []).append((column & _IN_BLOCK, weight))
+                groups.setdefault(column >> BLOCK_SHIFT, []).append((column & _IN_BLOCK, weight))
         row: list[Block] = []
         for block in sorted(groups):
             members = groups[block]

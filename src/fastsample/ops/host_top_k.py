@@ -47,7 +47,7 @@ from torch import Tensor
 from . import host_floats, threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
 from .host_floats import any_value, below_one, finite, positive
-from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums
+from .inverse_cdf import BLOCK, BLOCK_SHIFT, inverse_cdf_draw, kept_block_sums
 from .noise import UniformSource
 from .select import _largest_first
 from .threads import GRAIN
@@ -413,8 +413,7 @@ def _scan_whole_blocks(
 _GROUP = 32  # entries per group of the two-level scan
 _GROUP_SHIFT = 5  # log2(_GROUP)
 _GROUPS_SHIFT = 3  # log2(BLOCK // _GROUP): a candidate block's groups
-_BLOCK_SHIFT = 8  # log2(BLOCK)
-assert _GROUP == 1 << _GROUP_SHIFT and BLOCK == 1 << _BLOCK_SHIFT == _GROUP << _GROUPS_SHIFT
+assert _GROUP == 1 << _GROUP_SHIFT and BLOCK == _GROUP << _GROUPS_SHIFT
 
 
 def _hits(content: Tensor, floors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -449,4 +448,4 @@ def _offsets(device: torch.device) -> Tensor:
 def _block_sums(kept: Tensor, ids: Tensor, blocks: int, width: int) -> Tensor:
     """``(B, blocks)`` float32 block sums of the candidates' kept weights (``kept``, ``ids``
     ``(B, c)``; every other entry is cut): bitwise the general path's block sums."""
-    return kept_block_sums(kept, ids >> _BLOCK_SHIFT, ids & (BLOCK - 1), blocks, width)
+    return kept_block_sums(kept, ids >> BLOCK_SHIFT, ids & (BLOCK - 1), blocks, width)

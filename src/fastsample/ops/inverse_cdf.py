@@ -41,6 +41,11 @@ BLOCK = 256
 """Entries per block. Vocabulary shards that start on a multiple of BLOCK see the same
 blocks as the full vocabulary (the vocab-parallel sampler relies on this)."""
 
+BLOCK_SHIFT = BLOCK.bit_length() - 1
+"""``log2(BLOCK)``: an id's block is ``id >> BLOCK_SHIFT``, its place ``id & (BLOCK - 1)``
+(vectorized shifts and masks where torch's int64 ``//`` and ``%`` are scalar)."""
+assert BLOCK == 1 << BLOCK_SHIFT
+
 
 def block_sums(probs: Tensor) -> Tensor:
     """``(B, ceil(V / BLOCK))`` float64 sums of consecutive blocks, without copying ``probs``.
