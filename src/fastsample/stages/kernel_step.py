@@ -112,11 +112,13 @@ def sample_step(
     indices: Tensor | None,
     output_len: int | Tensor | None,
     rng: UniformSource,
+    rows: Tensor | None = None,
 ) -> SampleOutput:
-    """:func:`fastsample.stages.sample_step` after its checks, in at most three launches."""
+    """:func:`fastsample.stages.sample_step` after its checks, in at most three launches
+    (``rows``: the state's row of each logits row)."""
     from ..kernels import step_ops
 
-    args = stage_args(params, state, words, indices, output_len)
+    args = stage_args(params, state, words, indices, output_len, rows)
     fields = step_ops.sample_step(
         source, is_logits, args, params.controls, params.num_samples, rng,
         params.top_logprobs, params.logprobs_mode == "raw", params.token_ranks,

@@ -157,6 +157,7 @@ def sample_step(
     token_bitmask: Tensor | None = None,
     bitmask_indices: Tensor | list[int] | None = None,
     output_len: int | Tensor | None = None,
+    state_rows: Tensor | None = None,
     check: bool = False,
 ) -> SampleOutput:
     """One sampling step of an inference engine: every stage, then the draw.
@@ -179,6 +180,9 @@ def sample_step(
         token_bitmask, bitmask_indices: this step's grammar bitmask, xgrammar's layout
             (:mod:`fastsample.stages.allowed`).
         output_len: ``(B,)`` tokens emitted so far, for min-tokens without a ``state``.
+        state_rows: ``(B,)`` int64: the row of ``state`` that each logits row reads (an engine
+            that keeps its requests' statistics in fixed slots, such as vLLM's Model Runner
+            V2); min-tokens then read ``state.output_len`` at those rows. None: row ``b``.
         check: raise ``ValueError`` naming the first bad row or setting (syncs).
 
     Returns:
@@ -202,7 +206,7 @@ def sample_step(
         (torch.Size([2, 3]), [1, 1])
     """
     source, words, indices = _check_inputs(
-        logits, probs, params, state, token_bitmask, bitmask_indices, output_len
+        logits, probs, params, state, token_bitmask, bitmask_indices, output_len, state_rows
     )
     assert params is not None
     v.check_generator(generator, source.device)
@@ -213,10 +217,10 @@ def sample_step(
         check_stream_values(rng)
     if kernel_step.applies(source, params, words):  # the Triton backend: at most 3 launches
         return kernel_step.sample_step(v.detached(source), logits is not None, params, state,
-                                       words, indices, output_len, rng)  # fmt: skip
+                                       words, indices, output_len, rng, state_rows)  # fmt: skip
     raw_mode = params.logprobs_mode == "raw"
     ready = _prepare(source, logits is not None, params, state, words, indices, output_len,
-                     raw_mode, scratch_ok=True, kernel_declined=True)  # fmt: skip
+                     raw_mode, state_rows, scratch_ok=True, kernel_declined=True)  # fmt: skip
     drawn = draw(
         ready.scores, ready.is_logits, params.controls, params.num_samples, rng,
         0 if raw_mode else params.top_logprobs, want_greedy=params.token_ranks,
@@ -243,13 +247,17 @@ def staged_logits(
     token_bitmask: Tensor | None = None,
     bitmask_indices: Tensor | list[int] | None = None,
     output_len: int | Tensor | None = None,
+    state_rows: Tensor | None = None,
+    extra: Tensor | None = None,
 ) -> Tensor:
     """The logits after stages a-c (allowed tokens, bias, min-tokens, penalties): what the
-    controls read. ``(B, V)`` float32 (float64 for float64 logits), a new tensor."""
+    controls read. ``(B, V)`` float32 (float64 for float64 logits), a new tensor.
+    ``state_rows`` as in :func:`sample_step`, ``extra`` as in :func:`process_step`."""
     source, words, indices = _check_inputs(
-        logits, None, params, state, token_bitmask, bitmask_indices, output_len
+        logits, None, params, state, token_bitmask, bitmask_indices, output_len, state_rows
     )
-    ready = _prepare(source, True, params, state, words, indices, output_len, False)
+    ready = _prepare(source, True, params, state, words, indices, output_len, False,
+                     state_rows, extra)  # fmt: skip
     scores = ready.scores.to(compute_dtype(source.dtype))
     return scores.clone() if scores is source else scores
 

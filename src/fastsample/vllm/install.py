@@ -1,15 +1,23 @@
-"""Where the plugin hooks into vLLM 0.32's V1 model runner, and how it is taken out again.
+"""Where the plugin hooks into vLLM 0.32's two model runners, and how it is taken out again.
 
-``GPUModelRunner.__init__`` (which ``CPUModelRunner`` inherits) looks up ``Sampler``,
-``RejectionSampler`` and ``InputBatch`` in its module's globals when it builds them, and
-``sample_tokens`` calls the module's ``apply_grammar_bitmask`` before sampling. The installer
-points those four names at fastsample's subclasses and interceptor, in the module only:
-vLLM's classes are unchanged, ``isinstance`` checks still hold, and a runner built before
-the installation keeps vLLM's objects. vLLM loads general plugins in every process before
-the worker builds its runner (in-process and with worker processes alike).
+Both runners look up their sampler classes by name in their own module's globals when they
+build them, so the installer points those names at fastsample's subclasses, in the modules
+only: vLLM's classes are unchanged, ``isinstance`` checks still hold, and a runner built
+before the installation keeps vLLM's objects. vLLM loads general plugins in every process
+before the worker builds its runner (in-process and with worker processes alike), so whichever
+runner the engine picks draws with fastsample:
 
-Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, or a Triton with a CPU backend) builds
-other classes (``vllm/v1/worker/gpu/sample``), which this does not reach: a warning says so.
+* the V1 runner (``vllm.v1.worker.gpu_model_runner``, which ``CPUModelRunner`` inherits):
+  ``Sampler``, ``RejectionSampler``, ``InputBatch`` and ``apply_grammar_bitmask``
+  (:mod:`.sampler`, :mod:`.rejection`, :mod:`.batch`, :mod:`.grammar`);
+* Model Runner V2 (``vllm.v1.worker.gpu.model_runner``, which MRV2's CPU runner inherits):
+  ``Sampler`` and ``RejectionSampler`` (:mod:`.mrv2_sampler`, :mod:`.mrv2_rejection`), and
+  ``GPUWatermarkSampler``, whose subclass only says, once, that watermarked engines sample
+  with vLLM's own code.
+
+:func:`expected_runner` says which runner vLLM will build by default in this process (MRV2
+wherever vLLM counts Triton as usable: every GPU); the installer logs it once, and warns when
+it could not hook that runner. :data:`~.state.STATE` records what was hooked and what was built.
 """
 
 from __future__ import annotations
@@ -21,11 +29,32 @@ from .state import STATE
 
 logger = logging.getLogger("fastsample.vllm")
 
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
+MRV2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
-def install() -> None:
-    """Replace the runner module's four names (idempotent)."""
-    if STATE.installed:
-        return
+
+def expected_runner() -> str:
+    """``"mrv2"`` or ``"v1"``: what vLLM builds by default here (``VLLM_USE_V2_MODEL_RUNNER``
+    if set, else MRV2 wherever vLLM's Triton is usable), before any engine configuration
+    (features MRV2 does not support send an engine back to V1; watermarking forces MRV2)."""
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if value is not None and value.strip() != "":
+        return "v1" if value.strip().lower() in ("0", "false") else "mrv2"
+    from vllm.triton_utils import HAS_TRITON
+
+    return "mrv2" if HAS_TRITON else "v1"
+
+
+def _replace(module, names: dict) -> None:
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise AttributeError(f"{module.__name__} has no {', '.join(missing)}")
+    for name, value in names.items():
+        STATE.replaced.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+
+def _install_v1() -> None:
     import vllm.v1.worker.gpu_model_runner as runner
 
     from .batch import FastsampleInputBatch
@@ -33,25 +62,68 @@ def install() -> None:
     from .rejection import FastsampleRejectionSampler
     from .sampler import FastsampleSampler
 
-    names = {
+    _replace(runner, {
         "Sampler": FastsampleSampler,
         "RejectionSampler": FastsampleRejectionSampler,
         "InputBatch": FastsampleInputBatch,
         "apply_grammar_bitmask": intercept_grammar_bitmask,
-    }
-    missing = [name for name in names if not hasattr(runner, name)]
-    if missing:
-        raise AttributeError(f"vllm.v1.worker.gpu_model_runner has no {', '.join(missing)}")
-    for name, value in names.items():
-        STATE.replaced.append((runner, name, getattr(runner, name)))
-        setattr(runner, name, value)
-    STATE.installed = True
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
-        logger.warning(
-            "fastsample's vLLM plugin hooks the V1 model runner; Model Runner V2 "
-            "(VLLM_USE_V2_MODEL_RUNNER) samples with vLLM's own code"
-        )
-    logger.info("fastsample's vLLM plugin is installed: new model runners sample with it")
+    })  # fmt: skip
+
+
+def _install_mrv2() -> None:
+    import vllm.v1.worker.gpu.model_runner as runner
+
+    from .mrv2_rejection import FastsampleRejectionSamplerV2
+    from .mrv2_sampler import FastsampleSamplerV2
+
+    watermark = runner.GPUWatermarkSampler
+
+    class WatermarkSampler(watermark):  # vLLM's, after one warning
+        def __init__(self, *args, **kwargs) -> None:
+            from . import _warn_once
+
+            _warn_once("watermark", "fastsample's vLLM plugin does not watermark: engines with "
+                       "a watermark_config sample with vLLM's own code")  # fmt: skip
+            super().__init__(*args, **kwargs)
+
+    WatermarkSampler.__name__ = WatermarkSampler.__qualname__ = watermark.__name__
+    _replace(runner, {
+        "Sampler": FastsampleSamplerV2,
+        "RejectionSampler": FastsampleRejectionSamplerV2,
+        "GPUWatermarkSampler": WatermarkSampler,
+    })  # fmt: skip
+
+
+def install() -> None:
+    """Hook both runners (idempotent). A runner that cannot be hooked (an import or a name
+    missing) is logged: a warning when it is the one vLLM will build."""
+    from . import _warn_once
+
+    if STATE.installed:
+        return
+    expected = expected_runner()
+    for name, hook in (("v1", _install_v1), ("mrv2", _install_mrv2)):
+        try:
+            hook()
+            STATE.hooked.add(name)
+        except Exception as exc:  # this vLLM lacks the runner, or renamed a class
+            if name == expected:
+                _warn_once("runner " + name, "fastsample's vLLM plugin could not hook the "
+                           "%s runner that vLLM will build (%s: %s): vLLM samples with its "
+                           "own code", _label(name), type(exc).__name__, exc)  # fmt: skip
+            else:
+                logger.info("fastsample's vLLM plugin did not hook the %s runner (%s: %s)",
+                            _label(name), type(exc).__name__, exc)  # fmt: skip
+    STATE.installed = bool(STATE.hooked)
+    if STATE.installed:
+        logger.info(
+            "fastsample's vLLM plugin is installed on the %s; vLLM builds the %s here by "
+            "default", " and ".join(_label(n) for n in sorted(STATE.hooked)), _label(expected),
+        )  # fmt: skip
+
+
+def _label(name: str) -> str:
+    return {"v1": "V1 model runner", "mrv2": "Model Runner V2"}[name]
 
 
 def uninstall() -> None:
@@ -60,3 +132,4 @@ def uninstall() -> None:
         module, name, value = STATE.replaced.pop()
         setattr(module, name, value)
     STATE.installed = False
+    STATE.hooked.clear()

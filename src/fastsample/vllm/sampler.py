@@ -38,6 +38,10 @@ class FastsampleSampler(Sampler):
 
     _plan: Plan | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        STATE.runners.add("v1")
+
     def plan_for(self, metadata, logits: Tensor, batch: int | None = None,
                  verify: bool = False) -> Plan:  # fmt: skip
         """The plan of ``metadata`` (rebuilt when vLLM rebuilt the metadata; ``verify``: for

@@ -26,6 +26,9 @@ class PluginState:
     warned: set[str] = field(default_factory=set)
     # (module, name, original value) of every name the installer replaced
     replaced: list[tuple[Any, str, Any]] = field(default_factory=list)
+    # runners the installer hooked ("v1", "mrv2") and those built since ("v1", "mrv2")
+    hooked: set[str] = field(default_factory=set)
+    runners: set[str] = field(default_factory=set)
 
 
 STATE = PluginState()
