@@ -12,7 +12,10 @@ vLLM's ``Sampler`` and the plugin's get the same logits:
 * the penalties' state, updated each step, equals one rebuilt from the outputs, and is
   rebuilt when the runner's lengths disagree; a row's tokens do not depend on its batch;
 * the rejection sampler emits vLLM's layout, verifies as ``fastsample.verify_chain`` does,
-  and its greedy verification equals vLLM's own;
+  and its greedy verification equals vLLM's own; every position takes its own request's
+  settings and counts the drafts before it (min-tokens with every draft accepted); drafts
+  padded with -1 (structured outputs) keep the accepted prefix as vLLM's own rejection
+  sampler does (run on CPU with the CPU build's kernels); synthetic acceptance is vLLM's;
 * where fastsample and vLLM differ by design (ties at the top-p boundary, greedy rows'
   processed logprobs, the far tail of the draw), the difference is shown.
 """
@@ -438,6 +441,243 @@ def test_greedy_verification_is_vllms_rule():
     if best[7] == 9:
         want[2] = [best[6], 9, best[8], -1]
     assert got.sampled_token_ids.tolist() == want
+
+
+def min_tokens_case():
+    """Greedy, drafts 7, 8, 9 each the target's argmax once the stop id 5 (logit 50 at every
+    position, above their 40) is banned; one token emitted before (the runner's batch says
+    so), min-tokens 4: positions 0-2 (1-3 tokens) ban 5, so all three drafts are accepted,
+    and the bonus position (4 tokens, the 3 drafts counted) allows it: 5 is emitted there."""
+    request = Request(temperature=0.0, min_tokens=4, stop_token_ids=[5], prompt=[3, 4],
+                      output=[1])  # fmt: skip
+    logits = logits_for(4, seed=22)
+    logits[:, 5] = 50.0
+    logits[0, 7] = logits[1, 8] = logits[2, 9] = 40.0
+    batch = FakeBatch({"a": request})  # the metadata holds it by a weak reference
+    return batch, batch.metadata(), logits
+
+
+def check_min_tokens_after_accepted_drafts() -> None:
+    _, metadata, logits = min_tokens_case()
+    out = FastsampleRejectionSampler(FastsampleSampler())(
+        spec_metadata([[7, 8, 9]]), None, logits, metadata)
+    assert out.sampled_token_ids[0].tolist() == [7, 8, 9, 5]
+
+
+def test_min_tokens_count_every_accepted_draft(vllm_kernels):
+    """The target alone, after 1 + 3 tokens, may stop: 5 at the bonus position. vLLM's own
+    rejection sampler differs there: it samples the bonus rows with its ``Sampler``, whose
+    min-tokens counts the output without the drafts (1 token), so 5 stays banned."""
+    check_min_tokens_after_accepted_drafts()
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    _, metadata, logits = min_tokens_case()
+    theirs = RejectionSampler(Sampler())(spec_metadata([[7, 8, 9]]), None, logits, metadata)
+    tokens = theirs.sampled_token_ids[0].tolist()
+    assert tokens[:3] == [7, 8, 9] and tokens[3] != 5, tokens
+
+
+def test_negative_control_drafts_left_out_of_min_tokens_are_caught(monkeypatch):
+    """A verification that processes every position as if no draft came before it: the bonus
+    position still counts 1 token, bans 5, and emits something else."""
+    from fastsample.vllm import rejection
+
+    real = rejection.chain_prefixes
+    monkeypatch.setattr(rejection, "chain_prefixes", lambda d: torch.full_like(real(d), -1))
+    with pytest.raises(AssertionError):
+        check_min_tokens_after_accepted_drafts()
+
+
+def check_positions_take_their_requests_settings() -> None:
+    """Three requests with their own temperature and repetition penalty, two drafts each:
+    every slot's processed distribution (the plugin's ``processed_logprobs``, the whole
+    vocabulary) is vLLM's ``Sampler``'s for that request alone with the drafts before the
+    slot appended to its output."""
+    settings = [(0.5, 1.0), (1.0, 1.5), (1.5, 2.0)]
+    requests = [Request(temperature=t, repetition_penalty=r, prompt=prompt(30 + b), output=[4],
+                        seed=b, logprobs=-1)
+                for b, (t, r) in enumerate(settings)]  # fmt: skip
+    drafts = [[5, 6], [7, 8], [9, 10]]
+    logits = logits_for(9, seed=23)
+    logits[:, [5, 6, 7, 8, 9, 10]] += 2.0  # the drafts matter to the penalty
+    out = FastsampleRejectionSampler(FastsampleSampler(logprobs_mode="processed_logprobs"))(
+        spec_metadata(drafts), None, logits.clone(), sampling_metadata(requests, V))
+    lp = out.logprobs_tensors
+    full = torch.full((9, V), -math.inf, dtype=torch.float64)
+    full.scatter_(1, lp.logprob_token_ids[:, 1:].long(), lp.logprobs[:, 1:].double())
+    for b, request in enumerate(requests):
+        for j in range(3):
+            alone = replace(request, output=[4, *drafts[b][:j]])
+            want = vllm_processed([alone], logits[3 * b + j][None])[0]
+            torch.testing.assert_close(full[3 * b + j].exp(), want, rtol=1e-5, atol=1e-7,
+                                       msg=f"request {b}, position {j}")  # fmt: skip
+
+
+def test_every_position_takes_its_requests_own_settings():
+    check_positions_take_their_requests_settings()
+
+
+def test_negative_control_tiled_settings_are_caught_through_the_plugin(monkeypatch):
+    """``StepParams.repeat_rows`` tiling (``Tensor.repeat``) where it must interleave: slot
+    ``j`` of request ``b`` gets request ``(3b + j) % 3``'s temperature and penalty."""
+    real = fs.StepParams.repeat_rows
+
+    def tiled(self, times):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "repeat_interleave",
+                          lambda t, n, dim=0: t.repeat(n, *[1] * (t.dim() - 1)))  # fmt: skip
+            return real(self, times)
+
+    monkeypatch.setattr(fs.StepParams, "repeat_rows", tiled)
+    with pytest.raises(AssertionError):
+        check_positions_take_their_requests_settings()
+
+
+# ------------------------------------------------------- placeholder drafts, synthetic mode
+
+
+@pytest.fixture(scope="module")
+def vllm_kernels():
+    """vLLM's own rejection sampler runs on CPU once its Triton kernels are replaced by the
+    CPU build's, as a worker does when it starts (``register_triton_kernel_overrides``)."""
+    from vllm.platforms import current_platform
+
+    current_platform.register_triton_kernel_overrides()
+
+
+def per_draft(values, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    """Per-request values repeated for each of its drafts, ``replace_from`` made
+    ``replace_to``: what vLLM's ``expand_batch_to_tokens`` computes, whose CPU kernel writes
+    into an int64 copy of a float output and leaves it uninitialised (vLLM issue #55005)."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
+    return values.repeat_interleave(counts, output_size=num_tokens)
+
+
+@pytest.fixture
+def vllm_random_rows(vllm_kernels, monkeypatch):
+    from vllm.v1.sample import rejection_sampler
+
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", per_draft)
+
+
+def both_verify(drafts, requests, logits, draft_probs=None):
+    """``(vLLM's tokens, the plugin's)`` on the same inputs (lists)."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    got = []
+    for sampler in (RejectionSampler(Sampler()), FastsampleRejectionSampler(FastsampleSampler())):
+        probs = None if draft_probs is None else draft_probs.clone()
+        out = sampler(spec_metadata(drafts), probs, logits.clone(),
+                      sampling_metadata(requests, V))  # fmt: skip
+        got.append(out.sampled_token_ids.tolist())
+    return got
+
+
+def test_placeholder_drafts_keep_the_accepted_prefix_greedy(vllm_kernels):
+    """vLLM pads drafts its grammar rejected with -1: greedy, the drafts before the first -1
+    are judged as usual, the -1's position emits the target's argmax, nothing after it."""
+    best = [1, 99, 7, 8, 3, 4, 6, 9, 12, 13, 14, 15, 16, 17, 18, 19]  # each row's argmax
+    logits = logits_for(len(best), seed=24)
+    logits[torch.arange(len(best)), best] = 30.0
+    drafts = [[1, 99, -1], [3, 4, 5], [-1, -1, -1], [2, -1, -1]]  # rows 0-3, 4-7, 8-11, 12-15
+    requests = [Request(temperature=0.0) for _ in drafts]
+    before = CALLS["verify"]
+    theirs, ours = both_verify(drafts, requests, logits)
+    assert CALLS["verify"] == before + 1  # verified by fastsample, not handed back
+    assert theirs[:2] == [[1, 99, 7, -1], [3, 4, 6, -1]]  # the issue's example
+    assert theirs[2:] == [[12, -1, -1, -1], [16, -1, -1, -1]]
+    assert ours == theirs
+
+
+def test_placeholder_drafts_keep_the_accepted_prefix_random(vllm_random_rows):
+    """Random rows, targets certain of the drafts (accepted with probability 1): the drafts
+    before a -1 are kept, its position draws from the target there ({10, 11}: both seen
+    over the seeds), -1 after. With draft probabilities the -1's position draws from
+    ``max(p - q, 0)``: q = {10: .5, 12: .5} there leaves 11 alone, as in vLLM."""
+    logits = torch.full((8, V), -math.inf)
+    for row, token in ((0, 5), (1, 6), (3, 20), (7, 21)):  # drafts, then the bonus rows
+        logits[row, token] = 0.0
+    logits[[2, 2, 4, 4], [10, 11, 10, 11]] = 0.0  # the placeholders' positions
+    drafts = [[5, 6, -1], [-1, -1, -1]]
+    q = torch.zeros(6, V)
+    q[[0, 1, 3, 4, 5], [5, 6, 30, 31, 32]] = 1.0  # the drafts (and the discarded ones)
+    q[2] = q[3] = 0.0
+    q[[2, 2, 3, 3], [10, 12, 10, 12]] = 0.5
+    seen = set()
+    for seed in range(12):
+        requests = [Request(temperature=1.0, seed=100 + seed), Request(temperature=1.0,
+                                                                      seed=200 + seed)]  # fmt: skip
+        for probs in (None, q):
+            for tokens in both_verify(drafts, requests, logits, probs):
+                first, second = tokens
+                assert first[:2] == [5, 6] and first[3] == -1 and second[1:] == [-1, -1, -1]
+                at = [first[2], second[0]]
+                assert set(at) <= ({10, 11} if probs is None else {11}), (seed, tokens)
+                if probs is None:
+                    seen.update(at)
+    assert seen == {10, 11}
+
+
+def greedy_rule(out, cu_num_draft_tokens, drafts, argmax, bonus, is_greedy, max_spec_len,
+                uniforms=None, rates=None):  # fmt: skip
+    """vLLM's greedy rejection, rates included (synthetic mode), in Python, for CPU (its CPU
+    kernel refuses synthetic mode): a draft is kept while it equals the argmax (synthetic:
+    while ``u < rate[j]`` and it is no placeholder), the first one not kept emits the argmax,
+    a request keeping all its drafts gets its bonus token."""
+    start = 0
+    for b, end in enumerate(cu_num_draft_tokens.tolist()):
+        if is_greedy is None or bool(is_greedy[b]):
+            for j in range(end - start):
+                i = start + j
+                if rates is None:
+                    kept = bool(drafts[i] == argmax[i])
+                else:
+                    kept = bool(uniforms[i] < rates[j]) and int(drafts[i]) >= 0
+                out[b, j] = drafts[i] if kept else argmax[i]
+                if not kept:
+                    break
+            else:
+                out[b, end - start] = bonus[b]
+        start = end
+
+
+def test_synthetic_acceptance_is_vllms_own(monkeypatch, caplog):
+    """``rejection_sample_method="synthetic"`` (acceptance at set rates, for benchmarks):
+    the plugin hands every such step to vLLM's code, warning once. Rates 1 then 0: the first
+    draft is kept although the target disagrees, the second is replaced by the argmax."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm.v1.sample import rejection_sampler
+
+    from fastsample.vllm.state import STATE
+
+    monkeypatch.setattr(STATE, "warned", set())
+    config = SimpleNamespace(rejection_sample_method="synthetic",
+                             synthetic_acceptance_rates=[1.0, 0.0])  # fmt: skip
+    vllms = rejection_sampler.RejectionSampler(Sampler(), config)
+    ours = FastsampleRejectionSampler(FastsampleSampler(), config)
+    assert ours.synthetic_mode
+    monkeypatch.setattr(rejection_sampler, "_rejection_greedy_sample", greedy_rule)
+    best = [1, 2, 3, 4, 11, 12]
+    logits = logits_for(6, seed=25)
+    logits[torch.arange(6), best] = 30.0
+    drafts = [[5, 6], [7, 8]]
+    requests = [Request(temperature=0.0), Request(temperature=0.0)]
+    theirs = vllms(spec_metadata(drafts), None, logits.clone(), sampling_metadata(requests, V))
+    before = dict(CALLS)
+    with caplog.at_level(logging.WARNING, logger="fastsample.vllm"):
+        for _ in range(3):
+            got = ours(spec_metadata(drafts), None, logits.clone(),
+                       sampling_metadata(requests, V))  # fmt: skip
+            assert got.sampled_token_ids.tolist() == theirs.sampled_token_ids.tolist()
+    assert theirs.sampled_token_ids.tolist() == [[5, 2, -1], [7, 11, -1]]
+    # Twice a step: the step, and its bonus rows (vLLM's code asks the plugin's sampler for
+    # them, which hands such calls to vLLM's).
+    assert CALLS["delegated"] - before["delegated"] == 6 and CALLS["verify"] == before["verify"]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "synthetic" in warned[0], warned
 
 
 # ----------------------------------------------------------------------------- differences

@@ -9,16 +9,33 @@ with ``draft_sample_method="probabilistic"``: the distributions the drafts were 
 
 The mapping: ``K = max_spec_len``; the target logits become ``(B, K+1, V)`` with position
 ``n_b`` the bonus row (later positions are padding, never read), the drafts ``(B, K)``,
-``draft_lengths = n_b``. Position ``j`` of request ``b`` is processed by the batch's
-:class:`~fastsample.StepParams` and :class:`~fastsample.TokenStats` with the drafts before it
-counted as emitted (penalties, min-tokens), as vLLM's rejection sampler counts them, and
-masked by its grammar bitmask row; the drafts are verified against those distributions with
-``draft_probs`` when vLLM has them (an all-greedy batch's ``draft_probs`` are logits in
-vLLM 0.32, and greedy drafts are point masses anyway) and as point masses otherwise
-(n-gram, greedy drafts): exact for any proposer. Keys ``(seed, position)`` as in sampling, on
-verification's own streams. The result is vLLM's: int32 ``(B, K+1)``, the emitted tokens
-left-aligned (accepted drafts, then the recovered or bonus token), ``-1`` after them, and the
-logprobs of every slot in vLLM's layout (the runner drops the ``-1`` slots).
+``draft_lengths = n_b`` (cut at a placeholder draft, below). Position ``j`` of request ``b``
+is processed by the batch's :class:`~fastsample.StepParams` and
+:class:`~fastsample.TokenStats` with the drafts before it counted as emitted (penalties,
+min-tokens), as vLLM's rejection sampler counts them, and masked by its grammar bitmask row;
+the drafts are verified against those distributions with ``draft_probs`` when vLLM has them
+(an all-greedy batch's ``draft_probs`` are logits in vLLM 0.32, and greedy drafts are point
+masses anyway) and as point masses otherwise (n-gram, greedy drafts): exact for any proposer.
+Keys ``(seed, position)`` as in sampling, on verification's own streams. The result is vLLM's:
+int32 ``(B, K+1)``, the emitted tokens left-aligned (accepted drafts, then the recovered or
+bonus token), ``-1`` after them, and the logprobs of every slot in vLLM's layout (the runner
+drops the ``-1`` slots).
+
+Placeholder drafts: with structured outputs vLLM cuts a request's drafts at the first one its
+grammar rejects and pads the rest with ``-1`` (``PLACEHOLDER_TOKEN_ID``, the count unchanged);
+its rejection sampler keeps the drafts accepted before a ``-1``, rejects the ``-1`` outright and
+emits a token at its position (greedy: the target's argmax). Exactly, position ``L`` of the
+first ``-1`` holds a discarded draft ``x ~ q_L`` with ``p_L(x) = 0`` (the grammar's row at that
+position masks it), a certain rejection, so the token there follows the residual
+``norm(max(p_L - q_L, 0))``; for a point-mass draft (no ``draft_probs``) that is ``p_L`` itself,
+``x`` having no mass. So ``draft_lengths`` is cut at ``L``, position ``L`` (the target's logits
+and grammar rows there) is the bonus position, and where ``draft_probs`` exist its
+distribution is replaced by that residual (``p_L`` if the residual has no mass, as in
+:func:`~fastsample.verify_chain`).
+
+Synthetic acceptance (``rejection_sample_method="synthetic"``, for benchmarking: drafts are
+accepted at given rates, not verified) is vLLM's own code: such a sampler hands every step to
+its base class, with one warning.
 
 vLLM refuses ``min_p`` and ``logit_bias`` with speculative decoding (``SamplingParams``
 validation, and no such processors are built); that stays so.
@@ -36,7 +53,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from ..stages import TokenStats, staged_logits
 from ..verify import verify_chain
 from ..verify.targets import chain_prefixes, processed_positions
-from . import grammar
+from . import _warn_once, grammar
 from .logprobs import from_full, raw_values
 from .plan import Plan, thinking_budget_active
 from .sampler import FastsampleSampler
@@ -61,12 +78,33 @@ def layout(metadata, counts: Tensor, device: torch.device) -> tuple[Tensor, Tens
     return logit_rows, flat[:, :k]
 
 
+def residual_at_cuts(probs: Tensor, q: Tensor, lengths: Tensor, counts: Tensor) -> Tensor:
+    """``probs`` (``(B, K+1, V)``) with position ``L_b = lengths[b]`` of every request whose
+    drafts a placeholder cut (``L_b < counts[b]``) replaced by ``max(p - q, 0)`` there (``p``
+    where that has no mass): the law after a certain rejection of a draft drawn from ``q``
+    (module docstring). A copy: the processed logprobs still read ``probs``."""
+    batch, slots, _ = probs.shape
+    rows = torch.arange(batch, device=probs.device)
+    p = probs[rows, lengths]
+    residual = (p - q[rows, lengths.clamp_max(slots - 2)]).clamp_min(0).to(probs.dtype)
+    take = (lengths < counts) & (residual.sum(-1) > 0)
+    out = probs.clone()
+    out[rows, lengths] = torch.where(take[:, None], residual, p)
+    return out
+
+
 class FastsampleRejectionSampler(RejectionSampler):
     """vLLM's ``RejectionSampler`` whose ``forward`` verifies with fastsample."""
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         sampler = self.sampler
         if STATE.delegate or not isinstance(sampler, FastsampleSampler):
+            return self.vllm_forward(metadata, draft_probs, logits, sampling_metadata)
+        if self.synthetic_mode:  # acceptance at set rates, no verification: vLLM's own code
+            _warn_once(
+                "synthetic", "fastsample's vLLM plugin leaves synthetic acceptance "
+                "(rejection_sample_method='synthetic') to vLLM's own rejection sampler",
+            )  # fmt: skip
             return self.vllm_forward(metadata, draft_probs, logits, sampling_metadata)
         batch = len(metadata.num_draft_tokens)
         plan = sampler.plan_for(sampling_metadata, logits, batch, verify=True)
@@ -92,6 +130,10 @@ class FastsampleRejectionSampler(RejectionSampler):
         used = torch.arange(k, device=device) < counts[:, None]
         flat_drafts = metadata.draft_token_ids.to(device=device, dtype=torch.int64)
         drafts = flat_drafts[draft_rows] if flat_drafts.numel() else draft_rows.clone()
+        # A request's drafts end at its first placeholder (-1); its position keeps the target
+        # row and becomes the bonus position (module docstring). Sync-free: a prefix mask.
+        used = (used & (drafts >= 0)).long().cumprod(dim=1).bool()
+        lengths = used.sum(-1)
         drafts = torch.where(used, drafts, 0)
         target = logits[logit_rows]  # (B, K+1, V)
         bitmask = None if words is None else words[logit_rows]
@@ -102,7 +144,8 @@ class FastsampleRejectionSampler(RejectionSampler):
         q = None
         if draft_probs is not None and k and not sampling_metadata.all_greedy:
             q = draft_probs[draft_rows]
-        out = verify_chain(probs, drafts, q, draft_lengths=counts, seed=plan.keys,
+        chain = probs if q is None else residual_at_cuts(probs, q, lengths, counts)
+        out = verify_chain(chain, drafts, q, draft_lengths=lengths, seed=plan.keys,
                            step=positions)  # fmt: skip
         tokens = out.token_ids
         # A row with bad values emits nothing in verify_chain; vLLM expects a token from
