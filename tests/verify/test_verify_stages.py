@@ -119,6 +119,58 @@ def test_chain_positions_count_the_drafts_before_them():
             assert torch.equal(got[b, i], want[0]), (b, i)
 
 
+# Per-row settings: each request its own temperature and repetition penalty, its own prompt.
+ROW_TEMPERATURE = [0.5, 1.0, 1.5]
+ROW_REPETITION = [1.0, 1.5, 2.0]
+ROW_PROMPTS = [[0, 0, 3], [1, 4], [2, 5, 5]]
+
+
+def per_row_params(rows: list[int]) -> fs.StepParams:
+    return fs.StepParams(
+        len(rows), V, temperature=torch.tensor([ROW_TEMPERATURE[b] for b in rows]),
+        repetition_penalty=torch.tensor([ROW_REPETITION[b] for b in rows]),
+    )  # fmt: skip
+
+
+def check_positions_follow_their_own_row() -> None:
+    """Every (request, position) processed distribution of ``processed_positions`` equals
+    ``process_step`` of that request alone, with the drafts before the position counted as
+    its output (bitwise)."""
+    drafts = torch.tensor([[1, 2], [4, 4], [0, 5]])
+    logits = torch.randn(3, K + 1, V, generator=torch.Generator().manual_seed(3)) * 2
+    stats = fs.TokenStats.from_prompts(ROW_PROMPTS, V)
+    got = targets.processed_positions(logits, targets.chain_prefixes(drafts),
+                                      per_row_params([0, 1, 2]), stats, None)  # fmt: skip
+    for b in range(3):
+        for i in range(K + 1):
+            alone = fs.TokenStats.from_prompts([ROW_PROMPTS[b]], V,
+                                               outputs=[drafts[b, :i].tolist()])  # fmt: skip
+            want = fs.process_step(logits[b, i][None], per_row_params([b]), state=alone)
+            assert torch.equal(got[b, i], want[0]), (b, i)
+
+
+def test_chain_positions_keep_their_requests_own_settings():
+    """Positions are rows ``b * (K+1) + i`` (``StepParams.repeat_rows``: repeat_interleave),
+    so each position takes its own request's temperature and penalty."""
+    check_positions_follow_their_own_row()
+
+
+def test_negative_control_tiled_settings_are_caught(monkeypatch):
+    """``repeat_rows`` tiling the per-row settings (``Tensor.repeat``: rows b, b+1, ... in
+    turn) gives position i of request b the settings of request ``(b * (K+1) + i) % B``."""
+    real = fs.StepParams.repeat_rows
+
+    def tiled(self, times):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "repeat_interleave",
+                          lambda t, n, dim=0: t.repeat(n, *[1] * (t.dim() - 1)))  # fmt: skip
+            return real(self, times)
+
+    monkeypatch.setattr(fs.StepParams, "repeat_rows", tiled)
+    with pytest.raises(AssertionError):
+        check_positions_follow_their_own_row()
+
+
 def test_tree_prefixes_follow_the_paths():
     tokens = torch.tensor([[9, 1, 2, 3, 4]])
     parents = [-1, 0, 0, 1, 3]  # node 4's path: 1, 3, 4 (the root's token is not counted)
