@@ -146,3 +146,70 @@ def test_declines_what_it_does_not_serve(monkeypatch):
     assert calls == [None, None]
     fs.sample(x, top_k=20, num_samples=2)
     assert len(calls) == 2  # two draws never ask it
+
+
+# Top-p exactly on a cumulative mass, after top-k, on the host path: probabilities .5, .25,
+# .25, .0625 at ids 40, 41, 290, 299 of V = 512, the other logits -inf (or finite but far
+# below: weight 0 in float32). Weights p / max = 1, .5, .5, .125, all exact from float32
+# logs. top_k = 3 keeps weights >= .5 (no tie at the k-th weight outside the candidates: the
+# path serves it, where the earlier boundary rows .5, .25, .125, .125 tied there and were
+# declined); top-p = .5 of the kept mass 2 is reached (>=) by token 40 alone, so every draw
+# is 40, even at u just below 1.
+BOUNDARY_IDS = [40, 41, 290, 299]
+BOUNDARY_P = [0.5, 0.25, 0.25, 0.0625]
+
+
+def _boundary_logits(batch: int, masked: float) -> torch.Tensor:
+    x = torch.full((batch, 512), masked)
+    x[:, BOUNDARY_IDS] = torch.tensor(BOUNDARY_P).log()
+    return x
+
+
+def _check_top_p_boundary_draws(monkeypatch, masked: float = -torch.inf) -> None:
+    """Seeded draws (B = 1, 2) and controlled uniforms (0, 1/2, just below 1) all draw 40
+    with probability 1, every call served by host_rows."""
+    from fastsample.stages import step as stages_step
+    from uniforms import BELOW_ONE, ControlledUniforms
+
+    served: list = []
+    draw = host_rows.draw
+    with monkeypatch.context() as patch:
+        patch.setattr(host_rows, "draw", lambda *a: served.append(draw(*a)) or served[-1])
+        calls = 0
+        for batch, seeds in ((1, 12), (2, 12)):
+            x = _boundary_logits(batch, masked)
+            for s in range(seeds):
+                seed = torch.arange(batch) * 1009 + s * 7919 + 3
+                out = fs.sample(x, top_k=3, top_p=0.5, seed=seed, step=s)
+                calls += 1
+                assert out.token_ids[:, 0].tolist() == [40] * batch, (batch, s)
+                assert out.probs[:, 0].tolist() == [1.0] * batch
+        for u in (0.0, 0.5, BELOW_ONE):
+            source = ControlledUniforms([[u]])
+            with monkeypatch.context() as inner:
+                inner.setattr(stages_step, "make_source", lambda *args, s=source: s)
+                got = fs.sample(_boundary_logits(1, masked), top_k=3, top_p=0.5).token_ids
+            calls += 1
+            assert got.tolist() == [[40]], u
+        assert len(served) == calls and all(s is not None for s in served), served
+
+
+@pytest.mark.parametrize("masked", [-torch.inf, -1000.0])
+def test_top_p_on_a_cumulative_mass_after_top_k_keeps_one_token(monkeypatch, masked):
+    _check_top_p_boundary_draws(monkeypatch, masked)
+    # The general path, the reference, keeps the same single token.
+    with monkeypatch.context() as patch:
+        patch.setattr(small_top_k, "applies", lambda *args: False)
+        kept = fs.process(_boundary_logits(1, masked), top_k=3, top_p=0.5)
+    assert kept[0, BOUNDARY_IDS].tolist() == [1.0, 0.0, 0.0, 0.0] and kept.sum() == 1.0
+
+
+def test_negative_control_top_p_that_must_exceed_the_target_is_caught(monkeypatch):
+    """The host top-p cut with ``bisect_right`` (the first running mass *above* ``top_p`` of
+    the kept mass, where the rule is the first reaching it): no mass exceeds it here, so the
+    cut falls back to the k-th weight and 41 and 290 are kept too."""
+    from fastsample.ops import host_floats
+
+    monkeypatch.setattr(host_floats, "bisect_left", host_floats.bisect_right)
+    with pytest.raises(AssertionError):
+        _check_top_p_boundary_draws(monkeypatch)
