@@ -14,9 +14,10 @@ The mapping: every logits row is processed by the batch's stages (the plan of
 :mod:`.mrv2_plan`, per row) with the drafts before it counted as emitted (penalties on vLLM's
 own counts through the slot rows, min-tokens), as vLLM's ``apply_sampling_params`` does; the
 drafts are verified with ``verify_chain`` keyed ``(seed, position)`` as on the V1 runner.
-**Placeholder drafts:** a request's drafts end at its first ``-1``; that position is drawn
-from the target there (a recovery draw from ``p``), which keeps the accepted prefix, as
-vLLM's kernels reject a ``-1`` draft.
+**Placeholder drafts:** a request's drafts end at its first ``-1``, which keeps the accepted
+prefix, as vLLM's kernels reject a ``-1`` draft; that position is drawn from the target there,
+or, for a drawn draft the grammar rejected (probabilistic drafts), from the residual
+``max(p - q, 0)`` of its certain rejection (:func:`.rejection.residual_at_cuts`).
 
 Left to vLLM's own code, with one warning each: synthetic acceptance rates, block
 verification, adaptive verification, watermarking (and everything the sampler leaves to vLLM).
@@ -41,6 +42,7 @@ from ..stages import process_step, staged_logits
 from ..verify import verify_chain
 from .logprobs import from_full, raw_values
 from .mrv2_sampler import FastsampleSamplerV2, _process_args, _warn_once
+from .rejection import residual_at_cuts
 from .state import CALLS, STATE
 
 
@@ -156,13 +158,15 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
                          else None)  # fmt: skip
         args = _process_args(where)
         probs = process_step(logits, plan.params, extra=extra, **args)
+        target = probs[logit_rows]
         q = None
         if draft_logits is not None and k:
             q = draft_probs(draft_logits, slots, sampler.sampling_states.temperature.gpu, drafts,
                             logits.shape[1])  # fmt: skip
+            # A drawn draft the grammar rejected is a certain rejection: the residual there.
+            target = residual_at_cuts(target, q, lengths, cu[1:] - cu[:-1] - 1)
         seeds = plan.params.seed.index_select(0, cu[:-1])
-        out = verify_chain(probs[logit_rows], drafts, q, draft_lengths=lengths, seed=seeds,
-                           step=first)  # fmt: skip
+        out = verify_chain(target, drafts, q, draft_lengths=lengths, seed=seeds, step=first)
         tokens = out.token_ids
         # A row with bad values emits nothing in verify_chain; vLLM expects a token from every
         # request (its sampler's policy: token 0).
