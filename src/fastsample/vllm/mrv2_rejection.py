@@ -30,13 +30,9 @@ import math
 import numpy as np
 import torch
 from torch import Tensor
-from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput, SamplingMaskTensors
-from vllm.v1.worker.gpu.spec_decode.rejection_sampler import (
-    RejectionSampler,
-    gather_draft_sampled,
-)
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from ..stages import process_step, staged_logits
 from ..verify import verify_chain
@@ -57,6 +53,19 @@ def unsupported_mode(rejection: RejectionSampler) -> str | None:
     if rejection.watermark_key is not None:
         return "watermarking"
     return None
+
+
+def drafts_of_rows(input_batch, local: Tensor, prefill_len: Tensor) -> Tensor:
+    """``(N,)`` int64: the input token of each logits row (for row ``j > 0`` of a request, the
+    draft that row ``j - 1`` verifies), ``-1`` for a draft proposed before the request's
+    prefill ended. vLLM's ``gather_draft_sampled`` in torch ops (its Triton kernel would run in
+    Triton's interpreter on CPU)."""
+    index = input_batch.logits_indices.to(torch.int64)
+    token = input_batch.input_ids.index_select(0, index).to(torch.int64)
+    pos = input_batch.positions.index_select(0, index).to(torch.int64)
+    slots = input_batch.expanded_idx_mapping.to(torch.int64)
+    prefill = prefill_len.index_select(0, slots).to(torch.int64)
+    return torch.where((local > 0) & (pos - local < prefill), -1, token)
 
 
 def chain_layout(cu: Tensor, local: Tensor, draft_sampled: Tensor, k: int):
@@ -132,19 +141,14 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         CALLS["verify"] += 1
         sampler: FastsampleSamplerV2 = self.sampler
         num_nans = get_num_nans(logits) if sampler.compute_nans else None
-        draft_sampled, _ = gather_draft_sampled(
-            input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
-            input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
-            sampler.req_states.prefill_len.gpu,
-        )  # fmt: skip
-        draft_sampled = draft_sampled.to(torch.int64)
+        local = input_batch.expanded_local_pos.to(torch.int64)
+        draft_sampled = drafts_of_rows(input_batch, local, sampler.req_states.prefill_len.gpu)
         verified = draft_sampled
         if invalid_drafts is not None:  # the grammar rejected these drafts: placeholders
             verified = draft_sampled.masked_fill(invalid_drafts, -1)
         plan, rows, positions = sampler.step_inputs(input_batch, logits)
         k = self.num_speculative_steps
         cu = input_batch.cu_num_logits.to(torch.int64)
-        local = input_batch.expanded_local_pos.to(torch.int64)
         _, logit_rows, drafts, lengths = chain_layout(cu, local, verified, k)
         # The stages see the real draft ids before each row, as vLLM's processors do.
         extra, _, _, _ = chain_layout(cu, local, draft_sampled, k)
@@ -174,10 +178,7 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         emitted = out.num_emitted.clamp_min(1).to(torch.int32)
         if plan.penalties:
             sampler.plans.slot_stats.emitted(slots, tokens)
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
-            emitted, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
-            sampler.req_states.prefill_len.gpu,
-        )  # fmt: skip
+        num_sampled, num_rejected = sampler.sampled_and_rejected(input_batch, emitted)
         logprobs = None
         wanted = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
         if wanted >= 0:

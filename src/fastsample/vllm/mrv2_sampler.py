@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torch import Tensor
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput, SamplingMaskTensors
 from vllm.v1.worker.gpu.sample.sampler import Sampler
@@ -81,6 +80,19 @@ class FastsampleSamplerV2(Sampler):
         CALLS["delegated"] += 1
         return super().__call__(logits, input_batch)
 
+    def sampled_and_rejected(self, input_batch, emitted: Tensor) -> tuple[Tensor, Tensor]:
+        """vLLM's ``(num_sampled, num_rejected)`` int32 per request from the tokens each
+        emitted: none for a request still in its chunked prefill (its token is discarded), the
+        rest of its logits rows rejected. vLLM's ``get_num_sampled_and_rejected`` in torch ops
+        (its Triton kernel would run in Triton's interpreter on CPU)."""
+        slots = input_batch.idx_mapping.to(torch.int64)
+        prefill = self.req_states.prefill_len.gpu.index_select(0, slots)
+        chunked = input_batch.seq_lens < prefill
+        cu = input_batch.cu_num_logits
+        sampled = torch.where(chunked, 0, emitted).to(torch.int32)
+        rejected = torch.where(chunked, 0, (cu[1:] - cu[:-1]) - sampled).to(torch.int32)
+        return sampled, rejected
+
     def step_inputs(self, input_batch, logits: Tensor) -> tuple[SlotPlan, Tensor, Tensor]:
         """The batch's plan, each logits row's slot (int64) and position."""
         rows = input_batch.expanded_idx_mapping.to(torch.int64)
@@ -117,11 +129,8 @@ class FastsampleSamplerV2(Sampler):
                                         lambda: staged_logits(logits, params, **where))
         if plan.penalties:
             self.plans.slot_stats.emitted(rows, out.token_ids)
-        num_reqs = input_batch.num_reqs
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
-            input_batch.seq_lens.new_ones(num_reqs), input_batch.seq_lens,
-            input_batch.cu_num_logits, input_batch.idx_mapping, self.req_states.prefill_len.gpu,
-        )  # fmt: skip
+        num_sampled, num_rejected = self.sampled_and_rejected(
+            input_batch, input_batch.seq_lens.new_ones(input_batch.num_reqs))
         mask = None
         if self.return_sampling_mask:
             kept = int(np.max(self.sampling_states.top_k.np[input_batch.idx_mapping_np]))
