@@ -47,7 +47,7 @@ else:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_PLUGINS"] = "fastsample"
-    import mrv2_shim
+    from fastsample.tools import mrv2_shim
 
     try:
         mrv2_shim.install()

@@ -32,8 +32,9 @@ and ``vllm.v1.worker.cpu_model_runner``)."""
 
 
 def skip_unless_shim_installed() -> None:
-    import mrv2_shim
     import pytest
+
+    from fastsample.tools import mrv2_shim
 
     if not mrv2_shim.installed():
         pytest.skip(

@@ -1,5 +1,5 @@
 """vLLM's default runner, Model Runner V2, sampling with the plugin end to end (``vllm.LLM``
-in-process on CPU, through the project's test shim: conftest.py, mrv2_shim.py).
+in-process on CPU, through the project's shim: conftest.py, fastsample/tools/mrv2_shim.py).
 
 One engine for the module; the plugin's :func:`~fastsample.vllm.vllm_sampling` switch makes
 the same engine sample with vLLM's own MRV2 code for the comparisons:

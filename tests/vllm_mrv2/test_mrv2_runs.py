@@ -80,11 +80,12 @@ def test_a_seeded_request_at_temperature_08_is_reproducible(llm):
 
 
 def test_the_shim_is_idempotent_and_comparisons_are_int1_under_the_interpreter():
-    import mrv2_shim
     import torch
     import triton
     import triton.language as tl
     from triton.backends import backends
+
+    from fastsample.tools import mrv2_shim
 
     backend = backends["cpu"]
     mrv2_shim.install()

@@ -228,7 +228,8 @@ def build(sampler, key: tuple, rows_np: np.ndarray, rows: Tensor, vocab: int,
         allowed_token_ids=allowed, logit_bias=bias, min_tokens=min_tokens,
         stop_token_ids=stop_ids if min_tokens is not None else None,
         top_logprobs=max(num_logprobs or 0, 0) if fastsample_logprobs else 0,
-        logprobs_mode="raw" if mode.startswith("raw") else "processed",
+        # The raw mode costs a normalizer pass: only when fastsample computes logprobs.
+        logprobs_mode="raw" if fastsample_logprobs and mode.startswith("raw") else "processed",
         token_ranks=fastsample_logprobs,
         logprob_token_ids=logprob_ids if fastsample_logprobs else None,
     )  # fmt: skip

@@ -187,6 +187,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --engine vllm: skip the LLM.generate part",
     )
     parser.add_argument(
+        "--no-runners",
+        action="store_true",
+        help="with --engine vllm: skip the plugin's step inside Model Runner V2 against the V1 "
+        "runner (a child process with the MRV2 CPU shim; minutes: MRV2's own bookkeeping runs "
+        "in Triton's interpreter)",
+    )
+    parser.add_argument(
         "--launches",
         action="store_true",
         help="count the device work per call (aten ops + Triton kernel launches) of each public "

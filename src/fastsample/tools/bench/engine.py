@@ -17,7 +17,10 @@ Three parts (vLLM's CPU build, 0.32; nothing downloaded):
 2. **End to end.** ``LLM.generate`` throughput of a tiny random Llama (vocabulary 512 and
    32,000) in one in-process engine, with the plugin and with vLLM's own sampler
    (:func:`fastsample.vllm.vllm_sampling` switches the same engine over).
-3. ``--tail``: vLLM's CPU draw in the far tail, counted exactly over all 2**31 seeds of its
+3. **The runners.** The plugin's sampler step inside Model Runner V2 against the V1
+   runner, on the same seeded batches (:mod:`.runners`: a child process with the MRV2 CPU
+   shim; ``--no-runners`` skips it). Target: MRV2's step at most 1.1x V1's.
+4. ``--tail``: vLLM's CPU draw in the far tail, counted exactly over all 2**31 seeds of its
    31-bit per-row seed (needs numba): for a row ``[0, log p]``, how many seeds draw the tail
    token, against ``p / (1 + p) * 2**31`` expected. fastsample's draw gives the tail token
    the uniforms of an interval of its width (53-bit uniforms: no such quantisation).
@@ -403,13 +406,22 @@ def run(args: argparse.Namespace) -> int:
         generate = measure_generate([512, 32_000], prompts=8, tokens=16 if quick else 32,
                                     repeats=3 if quick else 5)  # fmt: skip
         print_generate(generate)
+    runner_steps = []
+    if not args.no_runners:
+        from .runners import SETTINGS as RUNNER_SETTINGS
+        from .runners import measure_runners, print_runners
+
+        chosen = [s for s in RUNNER_SETTINGS if s in settings] or list(RUNNER_SETTINGS)[:1]
+        runner_steps = measure_runners([b for b in batches if b in (1, 64)] or batches[:1],
+                                       chosen[:1] if quick else chosen, vocab)  # fmt: skip
+        print_runners(runner_steps)
     tail = []
     if args.tail:
         tail = tail_counts()
         print_tail(tail)
     print(f"\nload after: {os.getloadavg()[0]:.2f}")
     if args.json:
-        save_json(args.json, [*steps, *generate], info,
+        save_json(args.json, [*steps, *generate, *runner_steps], info,
                   {"mode": "engine", "engine": "vllm", "vllm": vllm.__version__, "vocab": vocab,
                    "tail": tail})  # fmt: skip
     return 0

@@ -1,4 +1,5 @@
-"""A test-only shim: vLLM 0.32's Model Runner V2 (MRV2) on a CPU machine without triton-cpu.
+"""A shim for tests and the benchmark: vLLM 0.32's Model Runner V2 (MRV2) on a CPU machine
+without triton-cpu. Never imported by the library or the plugin.
 
 vLLM picks its model runner in ``VllmConfig.use_v2_model_runner``: MRV2 unless
 ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise, *if* ``vllm.triton_utils.HAS_TRITON`` is true.
@@ -35,7 +36,7 @@ Triton"). :func:`install` makes vLLM decide as it would on a GPU, with these pie
    so vLLM's sampler takes its torch top-k/top-p path. The module-level name is what
    ``apply_top_k_top_p`` reads at each call; the rest of vLLM keeps ``HAS_TRITON`` true.
 
-Not here, because they are settings rather than patches (see ``conftest.py`` and
+Not here, because they are settings rather than patches (``tests/vllm_mrv2/conftest.py``,
 ``mrv2_helpers.py``): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine in this process), and
 ``kv_cache_memory_bytes`` on ``LLM`` (vLLM's CPU memory check fails on this machine
 otherwise). Building MRV2 objects by hand (not through ``LLM``) needs
@@ -43,8 +44,9 @@ otherwise). Building MRV2 objects by hand (not through ``LLM``) needs
 stand-ins, as vLLM's CPU worker does on import): :func:`install` imports it.
 
 The shim changes process-wide state (Triton's backend list, an environment variable, vLLM's
-choice of runner for every engine), so it runs in a pytest process of its own
-(``FASTSAMPLE_MRV2=1 python -m pytest tests/vllm_mrv2``). :func:`install` must run before
+choice of runner for every engine), so it runs in a process of its own: the tests'
+(``FASTSAMPLE_MRV2=1 python -m pytest tests/vllm_mrv2``), the benchmark's child
+(:mod:`fastsample.tools.bench.runners`). :func:`install` must run before
 anything imports vLLM, and is idempotent.
 """
 
@@ -137,7 +139,7 @@ def _register_cpu_backend() -> None:
 
         def _refuse(self, *args, **kwargs):
             raise RuntimeError(
-                "the 'cpu' Triton backend of tests/vllm_mrv2/mrv2_shim.py does not compile: "
+                "the 'cpu' Triton backend of fastsample.tools.mrv2_shim does not compile: "
                 "kernels run under TRITON_INTERPRET=1"
             )
 
