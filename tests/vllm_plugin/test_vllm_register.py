@@ -61,9 +61,54 @@ def test_register_swaps_the_runner_names_once(fresh):
     swapped = (runner.Sampler, runner.RejectionSampler, runner.InputBatch)
     fv.register()  # idempotent
     assert (runner.Sampler, runner.RejectionSampler, runner.InputBatch) == swapped
-    assert len(state.STATE.replaced) == 4
+    import vllm.v1.worker.gpu.model_runner as mrv2
+
+    names = sorted((m.__name__, name) for m, name, _ in state.STATE.replaced)
+    assert names == sorted([
+        (runner.__name__, "Sampler"), (runner.__name__, "RejectionSampler"),
+        (runner.__name__, "InputBatch"), (runner.__name__, "apply_grammar_bitmask"),
+        (mrv2.__name__, "Sampler"), (mrv2.__name__, "RejectionSampler"),
+        (mrv2.__name__, "GPUWatermarkSampler"),
+    ])  # fmt: skip
+    assert mrv2.Sampler.__name__ == "FastsampleSamplerV2"
+    assert fv.runners()["hooked"] == ["mrv2", "v1"]
+    originals = {(m.__name__, name): value for m, name, value in state.STATE.replaced}
     install.uninstall()
     assert runner.Sampler is Sampler and runner.RejectionSampler is RejectionSampler
+    assert mrv2.Sampler is originals[(mrv2.__name__, "Sampler")]
+    assert fv.runners()["hooked"] == []
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, "v1"), ("", "v1"), ("0", "v1"), ("false", "v1"), ("1", "mrv2"), ("True", "mrv2")])
+def test_the_runner_vllm_builds_is_known_at_load(fresh, monkeypatch, caplog, value, expected):
+    """vLLM's CPU build here counts Triton unusable (no "cpu" backend): V1 unless the
+    environment asks for MRV2; the install log names the runner, once."""
+    if value is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    with caplog.at_level(logging.INFO, logger="fastsample.vllm"):
+        fv.register()
+    assert fv.runners()["expected"] == [expected]
+    named = {"v1": "V1 model runner", "mrv2": "Model Runner V2"}[expected]
+    lines = [r.getMessage() for r in caplog.records if r.name == "fastsample.vllm"]
+    assert len(lines) == 1 and f"builds the {named} here" in lines[0], lines
+
+
+def test_the_expected_runner_unhooked_is_one_warning(fresh, monkeypatch, caplog):
+    """Never silent: when the runner vLLM will build cannot be hooked, one warning says so."""
+    import vllm.v1.worker.gpu.model_runner as mrv2
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.delattr(mrv2, "RejectionSampler")
+    with caplog.at_level(logging.WARNING, logger="fastsample.vllm"):
+        fv.register()
+        fv.register()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fastsample.vllm"]
+    assert len(warnings) == 1 and "Model Runner V2" in warnings[0], warnings
+    assert "RejectionSampler" in warnings[0] and mrv2.Sampler.__name__ == "Sampler"
+    assert fv.runners()["hooked"] == ["v1"]
 
 
 @pytest.mark.parametrize("value", [None, "", "lora_filesystem_resolver", "fastsample_other"])
