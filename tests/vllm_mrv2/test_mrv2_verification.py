@@ -7,6 +7,10 @@ what is handed to vLLM's own code.
   placeholder (``-1``). vLLM's test example, greedy, drafts ``[[1, 99, -1], [3, 4, 5]]``,
   gives ``[[1, 99, 7, -1], [3, 4, 6, -1]]``: the accepted prefix is kept (a negative control
   that does not cut at the placeholder flags the first request, as the plugin did before).
+* Probabilistic drafts (``draft_sample_method="probabilistic"``) are verified with the
+  draft's probabilities read from MRV2's stored draft logits, ``softmax(draft_logits / T)``:
+  with the target itself as the draft, every draft is accepted; the negative control, the
+  draft's temperature forgotten, rejects some (6% with these seeds).
 * Synthetic acceptance rates are vLLM's own code, with one warning, in an engine; so is a
   batch with bad words.
 """
@@ -123,3 +127,45 @@ def test_bad_words_are_vllms_own_with_one_warning(path, caplog):
         _one_warning(caplog, "bad_words")
     finally:
         close(llm)
+
+
+def _acceptance(path, monkeypatch, broken: bool) -> float:
+    """Drafts accepted over drafts verified, with probabilistic drafts from a draft model
+    that is the target itself at temperature 0.5 (no cuts): the draft's probabilities are
+    the target's, so every draft is accepted (up to float rounding between the two
+    forwards) when the plugin reads them right, ``softmax(draft_logits / T)``."""
+    from fastsample.vllm import mrv2_rejection
+
+    accepted, verified = [], []
+    verify = mrv2_rejection.verify_chain
+
+    def recording(target, drafts, q, *, draft_lengths, **kwargs):
+        out = verify(target, drafts, q, draft_lengths=draft_lengths, **kwargs)
+        accepted.append(int(out.num_accepted.sum()))
+        verified.append(int(draft_lengths.sum()))
+        return out
+
+    monkeypatch.setattr(mrv2_rejection, "verify_chain", recording)
+    if broken:  # negative control: the draft's temperature forgotten
+        probs = mrv2_rejection.draft_probs
+        monkeypatch.setattr(mrv2_rejection, "draft_probs",
+                            lambda logits, slots, t, drafts, vocab: probs(
+                                logits, slots, torch.ones_like(t), drafts, vocab))  # fmt: skip
+    llm = engine(path, speculative_config={"model": path, "num_speculative_tokens": 2,
+                                           "draft_sample_method": "probabilistic"})  # fmt: skip
+    try:
+        params = [SamplingParams(temperature=0.5, seed=s, max_tokens=40, ignore_eos=True)
+                  for s in range(16)]  # fmt: skip
+        generated(llm.generate([tokens_prompt([5, 17, 3, 42, 9])] * 16, params, use_tqdm=False))
+    finally:
+        close(llm)
+    assert sum(verified) >= 300, sum(verified)
+    return sum(accepted) / sum(verified)
+
+
+def test_probabilistic_drafts_are_read_with_their_temperature(path, monkeypatch):
+    assert _acceptance(path, monkeypatch, broken=False) >= 0.995  # 1.0 with these seeds
+
+
+def test_negative_control_drafts_read_without_their_temperature(path, monkeypatch):
+    assert _acceptance(path, monkeypatch, broken=True) < 0.98  # 0.94 with these seeds
