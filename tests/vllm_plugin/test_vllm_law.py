@@ -102,7 +102,14 @@ def test_first_token_law_over_seeds(llm, recorded, name):
     outs = llm.generate([tokens_prompt(PROMPT)] * DRAWS, params, use_tqdm=False)
     first = np.array([o.outputs[0].token_ids[0] for o in outs])
     assert CALLS["sample"] > before and sum(len(c[3]) for c in recorded) == DRAWS
+    judge_first_tokens(recorded, first, name)
 
+
+def judge_first_tokens(recorded, first: np.ndarray, name: str, what: str = "") -> None:
+    """Every token bitwise ``sample_step``'s on the logits the sampler received (with the
+    request's key and position), the processed distribution the transformers law, and the
+    first tokens' counts that law, with the negative controls at the same size."""
+    settings = SETTINGS[name]
     # Bitwise: every token is sample_step's on the logits the plugin received.
     want = law(name)
     row = None
@@ -124,7 +131,7 @@ def test_first_token_law_over_seeds(llm, recorded, name):
     torch.testing.assert_close(processed, torch.from_numpy(want), rtol=0, atol=2e-4)
 
     counts = np.bincount(first, minlength=VOCAB)
-    assert_law(counts, want, what=f"first token, {name}")
+    assert_law(counts, want, what=f"first token{what}, {name}")
     assert law_rejected(counts, shifted_law(want))
     if name == "vllm-order":
         other = law(name, order="transformers")
