@@ -5,11 +5,12 @@ build; the plugin hooks both. This part times the plugin's sampler call inside e
 the same batches: one child process (Python's ``-m`` of this module) applies the MRV2 CPU shim
 (:mod:`fastsample.tools.mrv2_shim`: vLLM's own MRV2 bookkeeping then runs in Triton's
 interpreter, which is why no vLLM-MRV2-versus-plugin ratio is reported on CPU), then runs a
-tiny random Llama (``V = 128,256``) on MRV2 and then on the V1 runner, ``B`` seeded requests
-of ``STEPS`` tokens each. Seeded requests draw the same tokens on both runners (the plugin's
-seed contract), so both runners sample the same logits at every step. Each sampler call
-(V1: ``FastsampleSampler.forward``; MRV2: ``FastsampleSamplerV2.__call__``) is timed with
-``perf_counter``; the first two steps (prefill and the plan's build) are left out; medians.
+tiny random Llama (``V = 128,256``) on each runner in turn (ABBA order, one engine at a time),
+``B`` seeded requests of ``STEPS`` tokens each. Seeded requests draw the same tokens on both
+runners (the plugin's seed contract), so both runners sample the same logits at every step.
+Each sampler call (V1: ``FastsampleSampler.forward``; MRV2: ``FastsampleSamplerV2.__call__``)
+is timed with ``perf_counter``; the first two steps of a batch (prefill and the plan's build)
+are left out; medians over the decode steps of both rounds.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ SETTINGS = {
                                            presence_penalty=0.1),
 }
 STEPS = 12
+ORDER = ("mrv2", "v1", "v1", "mrv2")
+"""The engines, one after the other (one at a time in a process), in ABBA order."""
 TARGET = 1.1
 """The MRV2 step with the plugin costs at most this multiple of the V1 plugin's step."""
 
@@ -124,8 +127,11 @@ def child(argv: list[str]) -> None:
 
     request = json.loads(argv[0])
     path = tiny_model(request["vocab"])
-    result = {runner: _runner_steps(runner, path, request["batches"], request["settings"])
-              for runner in ("mrv2", "v1")}  # fmt: skip
+    result: dict[str, dict[str, list[float]]] = {"mrv2": {}, "v1": {}}
+    for runner in ORDER:  # ABBA: a drift of the machine's load falls on both runners alike
+        steps = _runner_steps(runner, path, request["batches"], request["settings"])
+        for key, times in steps.items():
+            result[runner].setdefault(key, []).extend(times)
     print(json.dumps(result))
 
 
