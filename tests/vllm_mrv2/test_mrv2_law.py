@@ -41,7 +41,7 @@ from vllm_helpers import PROMPT_SPEC, close, engine, generated, speculative, tok
 
 from fastsample.vllm import CALLS  # noqa: E402
 from fastsample.vllm.mrv2_rejection import FastsampleRejectionSamplerV2  # noqa: E402
-from fastsample.vllm.mrv2_sampler import FastsampleSamplerV2  # noqa: E402
+from fastsample.vllm.mrv2_sampler import FastsampleSamplerV2, rows_and_positions  # noqa: E402
 from stattests import assert_law, detectable_bias, equality_bias, law_rejected, shifted_law  # noqa: E402
 
 DRAWS = 2_048
@@ -56,10 +56,10 @@ def recorded(monkeypatch):
     calls = []
     draw = FastsampleSamplerV2._draw
 
-    def recording(self, logits, input_batch):
+    def recording(self, logits, input_batch, plan):
         saved = logits.clone()
-        out = draw(self, logits, input_batch)
-        plan, _, positions = self.step_inputs(input_batch, logits)
+        out = draw(self, logits, input_batch, plan)
+        _, positions = rows_and_positions(plan, input_batch)
         calls.append((saved, plan.params.seed.clone(), positions.clone(),
                       out.sampled_token_ids[:, 0].long()))  # fmt: skip
         return out

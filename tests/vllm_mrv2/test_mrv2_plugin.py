@@ -147,14 +147,16 @@ def test_no_warning_is_logged_per_sampler_call(llm, monkeypatch):
 
 def test_positions_are_outputs_so_far(llm, monkeypatch):
     """The key's position is the tokens emitted before the drawn one (0 for the first)."""
+    from fastsample.vllm import mrv2_sampler
+
     seen: list[torch.Tensor] = []
-    step_inputs = FastsampleSamplerV2.step_inputs
+    read = mrv2_sampler.rows_and_positions
 
-    def recording(self, input_batch, logits):
-        plan, rows, positions = step_inputs(self, input_batch, logits)
+    def recording(plan, input_batch):
+        rows, positions = read(plan, input_batch)
         seen.append(positions.clone())
-        return plan, rows, positions
+        return rows, positions
 
-    monkeypatch.setattr(FastsampleSamplerV2, "step_inputs", recording)
+    monkeypatch.setattr(mrv2_sampler, "rows_and_positions", recording)
     run(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
     assert [p.tolist() for p in seen] == [[0], [1], [2], [3]]

@@ -25,8 +25,8 @@ request has emitted before the drawn one (``pos + 1 - prompt_len`` of the logits
 seeded request draws the same tokens on both runners.
 
 A batch with something fastsample does not do here is left to vLLM's own code with one
-warning per reason (:meth:`SlotPlans.unsupported`): bad words, custom logits processors, a
-thinking-token budget, trace replay.
+warning per reason (:meth:`SlotPlans.unsupported`, read when a plan is built): bad words,
+custom logits processors, a thinking-token budget, trace replay.
 """
 
 from __future__ import annotations
@@ -107,13 +107,19 @@ class SlotPlan:
     """What a batch of MRV2 logits rows needs from the slots, built once per composition."""
 
     key: tuple
-    params: StepParams
-    rows_np: np.ndarray  # (N,) the slot of each logits row
-    penalties: bool
-    num_logprobs: int | None  # the batch's largest request (None: no logprobs)
-    logprob_ids: Tensor | None  # (N, M) requested ids, -1 padded (rows without: all -1)
-    raw_before_allowed: bool  # vLLM's raw values come before its allowed-ids mask
-    stops_yield_to_grammar: bool
+    unsupported: str | None  # why vLLM's own code must sample this batch (then nothing else)
+    params: StepParams | None = None
+    rows_np: np.ndarray | None = None  # (N,) the slot of each logits row
+    # Per step: position = pos + offset (1 - prompt length of the row's request); a request
+    # whose sequence is shorter than its prefill is in a chunked prefill.
+    offset: Tensor | None = None  # (N,) int64
+    prefill: Tensor | None = None  # (B,) the requests' prefill lengths
+    logits_per_request: Tensor | None = None  # (B,) int32
+    penalties: bool = False
+    num_logprobs: int | None = None  # the batch's largest request (None: no logprobs)
+    logprob_ids: Tensor | None = None  # (N, M) requested ids, -1 padded (rows without: -1)
+    raw_before_allowed: bool = False  # vLLM's raw values come before its allowed-ids mask
+    stops_yield_to_grammar: bool = False
 
 
 class SlotPlans:
@@ -130,7 +136,8 @@ class SlotPlans:
         self.slot_stats.joined.add(slot)
 
     def unsupported(self, idx_mapping_np: np.ndarray) -> str | None:
-        """Why vLLM's own code must sample rows of these slots, or None."""
+        """Why vLLM's own code must sample rows of these slots, or None (read when a plan
+        is built)."""
         s = self.sampler
         processors = s.logits_processors
         bad_words = next((p for p in processors if type(p).__name__ == "BadWordsState"), None)
@@ -147,14 +154,16 @@ class SlotPlans:
             return "trace replay"
         return None
 
-    def plan(self, idx_mapping_np: np.ndarray, cu_num_logits_np: np.ndarray, rows: Tensor,
-             vocab: int, device: torch.device) -> SlotPlan:  # fmt: skip
-        """The plan of this batch (``rows``: the slot of each logits row, on the device)."""
+    def plan(self, input_batch, vocab: int, device: torch.device) -> SlotPlan:
+        """The plan of this batch, reused while its rows and their slots' settings stay."""
+        idx_mapping_np, cu_num_logits_np = input_batch.idx_mapping_np, input_batch.cu_num_logits_np
         key = (idx_mapping_np.tobytes(), cu_num_logits_np.tobytes(), self.version, vocab)
         if self._plan is None or self._plan.key != key:
-            counts = np.diff(cu_num_logits_np.astype(np.int64))
-            rows_np = np.repeat(idx_mapping_np.astype(np.int64), counts)
-            self._plan = build(self.sampler, key, rows_np, rows, vocab, device)
+            reason = self.unsupported(idx_mapping_np)
+            if reason is not None:
+                self._plan = SlotPlan(key, reason)
+            else:
+                self._plan = build(self.sampler, key, input_batch, vocab, device)
         return self._plan
 
 
@@ -172,11 +181,18 @@ def _padded(table: Tensor, counts: np.ndarray, rows: Tensor) -> Tensor | None:
     return torch.where(torch.arange(width, device=ids.device) < count[:, None], ids, -1)
 
 
-def build(sampler, key: tuple, rows_np: np.ndarray, rows: Tensor, vocab: int,
-          device: torch.device) -> SlotPlan:  # fmt: skip
+def build(sampler, key: tuple, input_batch, vocab: int, device: torch.device) -> SlotPlan:
     """A plan from the slots' settings (host arrays for the numbers, device tables for ids)."""
     CALLS["plans"] += 1
+    counts = np.diff(input_batch.cu_num_logits_np.astype(np.int64))
+    slots_np = input_batch.idx_mapping_np.astype(np.int64)
+    rows_np = np.repeat(slots_np, counts)
+    rows = input_batch.expanded_idx_mapping.to(torch.int64)
     n = len(rows_np)
+    req_states = sampler.req_states
+    offset = torch.from_numpy(1 - req_states.prompt_len.np[rows_np].astype(np.int64)).to(device)
+    prefill = torch.from_numpy(req_states.prefill_len.np[slots_np].astype(np.int32)).to(device)
+    per_request = torch.from_numpy(counts.astype(np.int32)).to(device)
     states = sampler.sampling_states
     controls = {
         "temperature": _host(states.temperature.np, rows_np),
@@ -210,7 +226,7 @@ def build(sampler, key: tuple, rows_np: np.ndarray, rows: Tensor, vocab: int,
     min_tokens = None
     yield_to_grammar = False
     if stop_ids is not None:
-        prompt = sampler.req_states.prompt_len.np[rows_np].astype(np.int64)
+        prompt = req_states.prompt_len.np[rows_np].astype(np.int64)
         least = np.where(stops > 0, lb.min_lens.np[rows_np] - prompt, 0)
         min_tokens = torch.from_numpy(least.astype(np.int64)).to(device)
         yield_to_grammar = bool(np.any(lb.restore_when_all_masked.np[rows_np][stops > 0]))
@@ -233,5 +249,5 @@ def build(sampler, key: tuple, rows_np: np.ndarray, rows: Tensor, vocab: int,
         token_ranks=fastsample_logprobs,
         logprob_token_ids=logprob_ids if fastsample_logprobs else None,
     )  # fmt: skip
-    return SlotPlan(key, params, rows_np, penalties, num_logprobs, logprob_ids,
-                    raw_before_allowed, yield_to_grammar)  # fmt: skip
+    return SlotPlan(key, None, params, rows_np, offset, prefill, per_request, penalties,
+                    num_logprobs, logprob_ids, raw_before_allowed, yield_to_grammar)  # fmt: skip

@@ -115,7 +115,8 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         if STATE.delegate or not isinstance(sampler, FastsampleSamplerV2):
             CALLS["delegated"] += 1
             return super().__call__(logits, input_batch, draft_logits, invalid_drafts)
-        reason = unsupported_mode(self) or sampler.plans.unsupported(input_batch.idx_mapping_np)
+        reason = unsupported_mode(self) or sampler.plans.plan(
+            input_batch, logits.shape[1], logits.device).unsupported
         if reason is not None:
             return self.hand_over(logits, input_batch, draft_logits, invalid_drafts,
                                   "unsupported " + reason, "fastsample's vLLM plugin leaves "
@@ -178,7 +179,7 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         emitted = out.num_emitted.clamp_min(1).to(torch.int32)
         if plan.penalties:
             sampler.plans.slot_stats.emitted(slots, tokens)
-        num_sampled, num_rejected = sampler.sampled_and_rejected(input_batch, emitted)
+        num_sampled, num_rejected = sampler.sampled_and_rejected(plan, input_batch, emitted)
         logprobs = None
         wanted = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
         if wanted >= 0:

@@ -61,13 +61,13 @@ class FastsampleSamplerV2(Sampler):
         if STATE.delegate:
             CALLS["delegated"] += 1
             return super().__call__(logits, input_batch)
-        reason = self.plans.unsupported(input_batch.idx_mapping_np)
-        if reason is not None:
-            return self.hand_over(logits, input_batch, "unsupported " + reason,
-                                  "fastsample's vLLM plugin leaves batches with %s to vLLM's "
-                                  "own sampler", reason)  # fmt: skip
         try:
-            return self._draw(logits, input_batch)
+            plan = self.plans.plan(input_batch, logits.shape[1], logits.device)
+            if plan.unsupported is not None:
+                return self.hand_over(logits, input_batch, "unsupported " + plan.unsupported,
+                                      "fastsample's vLLM plugin leaves batches with %s to "
+                                      "vLLM's own sampler", plan.unsupported)  # fmt: skip
+            return self._draw(logits, input_batch, plan)
         except Exception as exc:  # never take vLLM down: its own code samples this step
             name = type(exc).__name__
             return self.hand_over(logits, input_batch, "error " + name,
@@ -80,27 +80,23 @@ class FastsampleSamplerV2(Sampler):
         CALLS["delegated"] += 1
         return super().__call__(logits, input_batch)
 
-    def sampled_and_rejected(self, input_batch, emitted: Tensor) -> tuple[Tensor, Tensor]:
+    @staticmethod
+    def sampled_and_rejected(plan: SlotPlan, input_batch,
+                             emitted: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
         """vLLM's ``(num_sampled, num_rejected)`` int32 per request from the tokens each
-        emitted: none for a request still in its chunked prefill (its token is discarded), the
-        rest of its logits rows rejected. vLLM's ``get_num_sampled_and_rejected`` in torch ops
-        (its Triton kernel would run in Triton's interpreter on CPU)."""
-        slots = input_batch.idx_mapping.to(torch.int64)
-        prefill = self.req_states.prefill_len.gpu.index_select(0, slots)
-        chunked = input_batch.seq_lens < prefill
-        cu = input_batch.cu_num_logits
-        sampled = torch.where(chunked, 0, emitted).to(torch.int32)
-        rejected = torch.where(chunked, 0, (cu[1:] - cu[:-1]) - sampled).to(torch.int32)
-        return sampled, rejected
+        emitted (None: one each): none for a request still in its chunked prefill (its token is
+        discarded), the rest of its logits rows rejected. vLLM's
+        ``get_num_sampled_and_rejected`` in torch ops (its Triton kernel would run in Triton's
+        interpreter on CPU)."""
+        done = input_batch.seq_lens >= plan.prefill
+        sampled = done.to(torch.int32) if emitted is None else torch.where(done, emitted, 0)
+        rejected = torch.where(done, plan.logits_per_request - sampled, 0)
+        return sampled.to(torch.int32), rejected.to(torch.int32)
 
     def step_inputs(self, input_batch, logits: Tensor) -> tuple[SlotPlan, Tensor, Tensor]:
         """The batch's plan, each logits row's slot (int64) and position."""
-        rows = input_batch.expanded_idx_mapping.to(torch.int64)
-        plan = self.plans.plan(input_batch.idx_mapping_np, input_batch.cu_num_logits_np, rows,
-                               logits.shape[1], logits.device)  # fmt: skip
-        pos = input_batch.positions[input_batch.logits_indices].to(torch.int64)
-        prompt = self.req_states.prompt_len.gpu.index_select(0, rows).to(torch.int64)
-        return plan, rows, (pos + 1 - prompt).clamp_min(0)
+        plan = self.plans.plan(input_batch, logits.shape[1], logits.device)
+        return plan, *rows_and_positions(plan, input_batch)
 
     def stage_state(self, plan: SlotPlan, rows: Tensor, positions: Tensor) -> dict:
         """``sample_step``'s state arguments: the slots' penalties' state, else the lengths."""
@@ -108,10 +104,10 @@ class FastsampleSamplerV2(Sampler):
             return dict(state=self.plans.slot_stats.current(rows, positions), state_rows=rows)
         return dict(output_len=positions if plan.params.stop_ids is not None else None)
 
-    def _draw(self, logits: Tensor, input_batch) -> SamplerOutput:
+    def _draw(self, logits: Tensor, input_batch, plan: SlotPlan) -> SamplerOutput:
         CALLS["sample"] += 1
         num_nans = get_num_nans(logits) if self.compute_nans else None
-        plan, rows, positions = self.step_inputs(input_batch, logits)
+        rows, positions = rows_and_positions(plan, input_batch)
         params = plan.params
         where = self.stage_state(plan, rows, positions)
         out = sample_step(logits, params=params, step=positions, **where)
@@ -129,8 +125,7 @@ class FastsampleSamplerV2(Sampler):
                                         lambda: staged_logits(logits, params, **where))
         if plan.penalties:
             self.plans.slot_stats.emitted(rows, out.token_ids)
-        num_sampled, num_rejected = self.sampled_and_rejected(
-            input_batch, input_batch.seq_lens.new_ones(input_batch.num_reqs))
+        num_sampled, num_rejected = self.sampled_and_rejected(plan, input_batch, None)
         mask = None
         if self.return_sampling_mask:
             kept = int(np.max(self.sampling_states.top_k.np[input_batch.idx_mapping_np]))
@@ -144,6 +139,14 @@ class FastsampleSamplerV2(Sampler):
             num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected,
             sampling_mask_tensors=mask,
         )  # fmt: skip
+
+
+def rows_and_positions(plan: SlotPlan, input_batch) -> tuple[Tensor, Tensor]:
+    """Each logits row's slot (int64) and position: the tokens its request emitted before the
+    one drawn there (``pos + 1 - prompt_len``; 0 during a chunked prefill)."""
+    rows = input_batch.expanded_idx_mapping.to(torch.int64)
+    pos = input_batch.positions.index_select(0, input_batch.logits_indices)
+    return rows, (pos + plan.offset).clamp_min(0)
 
 
 def _process_args(where: dict) -> dict:
