@@ -45,6 +45,7 @@ import torch
 
 from .harness import LOGIT_SCALE, Timing
 from .report import machine_info, save_json
+from .runners import tiny_model
 from .vllm_batch import Request, sampling_metadata
 
 TKP = dict(temperature=0.7, top_k=50, top_p=0.9)
@@ -213,24 +214,6 @@ class GenerateResult:
     vllm_tokens_per_s: float
     plugin_tokens_per_s: float
     ratio: float
-
-
-def tiny_model(vocab: int) -> str:
-    """A random Llama with head_dim 64 (vLLM's CPU attention), saved once per vocabulary."""
-    import tempfile
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = os.path.join(tempfile.gettempdir(), f"fastsample-bench-llama-{vocab}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                             head_dim=64, max_position_embeddings=512, initializer_range=0.5,
-                             tie_word_embeddings=False)  # fmt: skip
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def measure_generate(vocabs: list[int], prompts: int, tokens: int,

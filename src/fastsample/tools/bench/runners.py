@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 SETTINGS = {
     "T/k/p seeded": dict(temperature=0.7, top_k=50, top_p=0.9),
     "T/k/p seeded, rows differ": None,  # per row: T 0.6-0.9, k 40-60, p 0.85-0.95
@@ -46,6 +48,24 @@ class RunnerResult:
     steps: int
     ratio: float
     target: float = TARGET
+
+
+def tiny_model(vocab: int) -> str:
+    """A random Llama with head_dim 64 (vLLM's CPU attention), saved once per vocabulary."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(tempfile.gettempdir(), f"fastsample-bench-llama-{vocab}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                             head_dim=64, max_position_embeddings=512, initializer_range=0.5,
+                             tie_word_embeddings=False)  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            LlamaForCausalLM(config).save_pretrained(path)
+    return path
 
 
 def _params(setting: str, batch: int):
@@ -123,8 +143,6 @@ def child(argv: list[str]) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_PLUGINS"] = "fastsample"
     mrv2_shim.install()
-    from .engine import tiny_model
-
     request = json.loads(argv[0])
     path = tiny_model(request["vocab"])
     result: dict[str, dict[str, list[float]]] = {"mrv2": {}, "v1": {}}
