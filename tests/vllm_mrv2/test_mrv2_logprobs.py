@@ -5,7 +5,8 @@ the ``n`` most likely tokens and their values (raw or processed, log-probabiliti
 must equal vLLM's own MRV2 sampler's (:func:`~fastsample.vllm.vllm_sampling`), whatever token
 each drew: T=0.9 with top-k 20 (processed values are cut and tempered) and a logit bias. The
 drawn token's own entry is checked against the same values (its rank by vLLM's definition: the
-tokens at least as likely, itself included).
+tokens at least as likely, itself included). With ``return_sampling_mask`` (MRV2 only), the
+returned support is vLLM's own at the first position, and holds every drawn token.
 """
 
 from __future__ import annotations
@@ -59,3 +60,25 @@ def test_top_logprobs_equal_vllms_in_every_mode(path, mode):
         assert value > -math.inf and 1 <= rank <= 20
         if token in vllms:
             assert value == pytest.approx(vllms[token].logprob, abs=2e-4)
+
+
+def test_sampling_mask_is_the_support_drawn_from(path):
+    """``return_sampling_mask`` (MRV2 only; vLLM requires T > 0 and top-k): the support of
+    the distribution drawn from, vLLM's own at the first position (same logits); every drawn
+    token lies in its position's support."""
+    llm = engine(path, return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=5, max_tokens=4,
+                            ignore_eos=True)  # fmt: skip
+    try:
+        before = dict(CALLS)
+        prompts = [tokens_prompt(p) for p in PROMPTS]
+        ours = llm.generate(prompts, params, use_tqdm=False)
+        assert CALLS["sample"] > before["sample"] and CALLS["delegated"] == before["delegated"]
+        with vllm_sampling():
+            theirs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        close(llm)
+    for a, b in zip(ours, theirs, strict=True):
+        mine, vllms = a.outputs[0].sampling_mask.token_ids, b.outputs[0].sampling_mask.token_ids
+        assert sorted(mine[0]) == sorted(vllms[0]) and 1 <= len(mine[0]) <= 20
+        assert all(t in kept for t, kept in zip(a.outputs[0].token_ids, mine, strict=True))
