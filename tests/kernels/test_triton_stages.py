@@ -540,3 +540,29 @@ def test_kernels_compile_for_a_gpu():
     never contracted), and their ``triton_op`` registrations trace under fake tensors."""
     out = run_compiled(_COMPILE)
     assert out.count("compiled") == 9 and "traced" in out
+
+
+def test_sample_step_reads_the_state_through_state_rows(backend):
+    """``state_rows`` (an engine's fixed per-request slots, vLLM's Model Runner V2): each
+    logits row reads its slot of a larger state, for the penalties and min-tokens, on both
+    backends; the draw equals the same step on the state's selected rows (``select``)."""
+    batch, vocab = 4, 120
+    backend("torch")
+    _, settings = rows_for(vocab, 6, 5, STAGES)  # a state of 6 slots
+    for row in settings:
+        row.min_tokens = len(row.outputs) + 1
+        row.stop = list(range(3, 60, 7))
+    _, slots_state, _ = fastsample_args(settings, vocab, "tensor")
+    slots = torch.tensor([4, 1, 5, 2])
+    picked = [settings[int(s)] for s in slots]
+    params, _, _ = fastsample_args(_with_controls(picked, 9), vocab, "tensor",
+                                   seed=torch.arange(batch) + 11)  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(batch, vocab, generator=gen) * 2
+    steps = torch.arange(batch) + 2
+    expected = fs.sample_step(x, params=params, state=slots_state.select(slots), step=steps)
+    theirs, ours = both(backend, fs.sample_step, x, params=params, state=slots_state,
+                        step=steps, state_rows=slots)  # fmt: skip
+    assert torch.equal(theirs.token_ids, expected.token_ids)
+    assert torch.equal(ours.token_ids, expected.token_ids)
+    assert torch.equal(ours.valid, theirs.valid)

@@ -26,7 +26,7 @@ seeded request draws the same tokens on both runners.
 
 A batch with something fastsample does not do here is left to vLLM's own code with one
 warning per reason (:meth:`SlotPlans.unsupported`, read when a plan is built): bad words,
-custom logits processors, a thinking-token budget, trace replay.
+custom logits processors, a thinking-token budget, trace replay, batch-sharded sampling.
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ class SlotPlans:
             return "a thinking-token budget"
         if s.trace_replay_state is not None:
             return "trace replay"
+        if s.batch_sharded:
+            return "batch-sharded sampling"
         return None
 
     def plan(self, input_batch, vocab: int, device: torch.device) -> SlotPlan:

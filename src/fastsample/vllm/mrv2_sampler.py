@@ -50,6 +50,10 @@ class FastsampleSamplerV2(Sampler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        parallel = getattr(config, "parallel_config", None)
+        # Batch-sharded sampling splits a batch across ranks: untested with the plugin.
+        self.batch_sharded = bool(getattr(parallel, "enable_batch_sharded_sampling", False))
         self.plans = SlotPlans(self)
         STATE.runners.add("mrv2")
 
