@@ -621,6 +621,8 @@ async def _drive(args, base_url: str, server_pid: int, dump: str, out: dict) -> 
     stop = asyncio.Event()  # no new request once set; those running finish
 
     def stop_by(reason: str) -> None:
+        if not stop.is_set():
+            log(f"{reason}: no new request; those running finish")
         out.setdefault("stopped", reason)
         stop.set()
 
@@ -802,6 +804,7 @@ def _memory(args, tally: Tally, first: dict[str, dict], final: dict[str, dict],
 
 
 def _exit_on_sigterm(signum, frame) -> None:
+    log("SIGTERM: stopping the server")
     sys.exit(143)  # through main's ``finally``, which stops the server
 
 

@@ -1,12 +1,13 @@
 """``vllm serve`` with the plugin under load, on each model runner, at a CI size.
 
 Runs ``scripts/vllm_serve_load.py`` (its docstring lists the checks) in a subprocess: 120
-streaming requests from 16 ``openai`` clients, one in ten aborted mid-stream, a KV cache small
-enough to preempt, JSON-schema structured outputs through xgrammar; seeded requests equal
-their solo runs, JSON parses, no error, no step handed to vLLM's own sampler, the runner built
-is the one asked for, memory and the worker's Python objects flat after the warm-up (the
-slope of the resident memory is judged only from 1,000 requests on: the full run,
-``python scripts/vllm_serve_load.py --runner v1``, makes 2,000).
+(V1) or 100 (MRV2) streaming requests from 16 ``openai`` clients, one in ten closed
+mid-stream, a KV cache small enough to preempt, JSON-schema structured outputs through
+xgrammar. Seeded requests equal their solo runs, JSON parses, no error, no step handed to
+vLLM's own sampler, the runner built is the one asked for, and with the server idle after
+the warm-up and at the end, each server process's malloc bytes in use and the worker's
+Python objects have not grown (the slope of the resident memory is judged from 1,000
+requests on: the full run, ``python scripts/vllm_serve_load.py --runner v1``, makes 2,000).
 
 ``mrv2`` runs Model Runner V2: the script's server process (and, by spawn's re-import, its
 engine core and worker) applies ``fastsample.tools.mrv2_shim``; this pytest process never
