@@ -27,7 +27,9 @@ def reference_probs(
     ``cut_order="vllm"`` applies min-p first, then top-k among its survivors (all of them if
     fewer than k), then top-p on what is left, as vLLM does. ``top_p_on_all=True`` is the
     classic bug kept for negative controls: the top-p mass is taken from the whole
-    distribution instead of the top-k survivors.
+    distribution instead of the top-k survivors. ``cut_order="joint"`` is that on purpose
+    (SGLang's and FlashInfer's joint order): top-k and top-p each on the whole tempered row,
+    the kept sets intersected, then min-p.
     """
     x = np.asarray(values, dtype=np.float64)
     vocab = x.shape[0]
@@ -46,12 +48,12 @@ def reference_probs(
         kth = np.sort(weights[keep])[::-1][top_k - 1]
         keep &= weights >= kth
     if top_p < 1:
-        pool = weights if top_p_on_all else np.where(keep, weights, 0.0)
+        pool = weights if top_p_on_all or cut_order == "joint" else np.where(keep, weights, 0.0)
         ranked = np.sort(pool)[::-1]
         reached = np.cumsum(ranked) >= top_p * pool.sum()
         tau = ranked[int(np.argmax(reached))]
         keep &= weights >= tau
-    if cut_order == "transformers" and min_p > 0:
+    if cut_order in ("transformers", "joint") and min_p > 0:
         keep &= weights >= min_p * weights.max()
     out = np.where(keep, weights, 0.0)
     return out / out.sum()

@@ -1,14 +1,17 @@
-"""Where min-p sits among the cuts: ``cut_order="transformers"`` (after top-k and top-p, Hugging
-Face's warpers) and ``cut_order="vllm"`` (first, as vLLM's ``MinPLogitsProcessor`` before
-``apply_top_k_top_p``), each exact against the float64 sort reference of tests/reference.py.
+"""The three cut orders, each exact against the float64 sort reference of tests/reference.py:
+``cut_order="transformers"`` (top-p on the top-k survivors, min-p after both: Hugging Face's
+warpers), ``cut_order="vllm"`` (min-p first, as vLLM's ``MinPLogitsProcessor`` before
+``apply_top_k_top_p``) and ``cut_order="joint"`` (top-k and top-p each on the whole tempered
+row, the kept sets intersected, min-p after: SGLang's sampler, FlashInfer's joint order).
 
-The two orders differ only when top-p and min-p are both on: in the vLLM order top-p's mass is
-that of the tokens surviving min-p and top-k. Every path is held to the reference: the general
+The vLLM order differs from Hugging Face's only when top-p and min-p are both on: top-p's mass
+is then that of the tokens surviving min-p and top-k. The joint order differs when top-k and
+top-p are both on: top-p's mass is the whole row's. Every path is held to the reference: the general
 radix path (tensor controls), the static paths of Python numbers (the candidate-block top-k),
 the small-top-k path with per-row tensor ``k`` (CPU eager) and the Triton controls kernel
-(interpreter, tests/kernels/test_triton_controls_edges.py). The law test draws from a row
-where the orders give different laws, at 2%; its negative control (the other order) is
-rejected at the same size.
+(interpreter, tests/kernels/test_triton_controls_edges.py). Each law test draws from a row
+where its order gives a different law from the others, at 2%; its negative control (the
+sequential order) is rejected at the same size.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from reference import min_p_keeping, reference_probs, robust_min_p, robust_top_p
 from stattests import LawCase, assert_law, draws_needed, law_rejected
 from test_controls import KINDS, assert_matches_reference, make_logits
 
-ORDERS = ("transformers", "vllm")
+ORDERS = ("transformers", "vllm", "joint")
 
 
 def survivors_before_top_p(x, t, k, m, order):
     """The kept weights that top-p's mass is taken over, in ``order`` (for a robust top_p)."""
+    if order == "joint":  # the whole row
+        return reference_probs(x, t, 0, 1.0, 0.0)
     return reference_probs(x, t, k, 1.0, m if order == "vllm" else 0.0, cut_order="vllm")
 
 
@@ -161,5 +166,71 @@ def test_vllm_order_law_and_its_negative_control():
     assert law_rejected(counts, law("transformers"))  # the other order, at this size
 
 
+# The same row with top_k = 4 and top_p = 0.75: on the top-k survivors (mass 15) 8 + 4 = 12
+# reaches 11.25, so the sequential orders keep {8, 4}; on the whole row (mass 18) 12 < 13.5
+# and the joint order keeps {8, 4, 2}, which min-p (cut 0.8) leaves alone.
+JOINT_CONTROLS = (1.0, 4, 0.75, 0.1)
+
+
+def joint_law(order: str) -> np.ndarray:
+    return reference_probs(LAW_ROW, *JOINT_CONTROLS, cut_order=order)
+
+
+JOINT_DRAWS = draws_needed(joint_law("joint"), CLAIM)
+
+
+@pytest.mark.parametrize("controls_as", ["numbers", "tensors"])
+def test_joint_order_law_and_its_negative_control(controls_as):
+    """Python numbers take the candidate-block path, tensors the small-top-k path (CPU)."""
+    t, k, p, m = JOINT_CONTROLS
+    x = torch.tensor(LAW_ROW, dtype=torch.float32).expand(50_000, -1)
+    counts = np.zeros(len(LAW_ROW), dtype=np.int64)
+    drawn = step = 0
+    while drawn < JOINT_DRAWS:
+        rows = min(50_000, JOINT_DRAWS - drawn)
+        args = dict(temperature=t, top_k=k, top_p=p, min_p=m)
+        if controls_as == "tensors":
+            args = {name: torch.full((rows,), value) for name, value in args.items()}
+        out = fs.sample(x[:rows], **args, cut_order="joint", seed=torch.arange(rows), step=step)
+        assert out.valid.all()
+        counts += np.bincount(out.token_ids[:, 0].numpy(), minlength=len(LAW_ROW))
+        drawn += rows
+        step += 1
+    assert_law(counts, joint_law("joint"), what="cut_order='joint'")
+    assert law_rejected(counts, joint_law("transformers"))  # the sequential order
+
+
+def test_joint_bounds_settle_or_fall_back_to_the_exact_mass(monkeypatch):
+    """The small-top-k path bounds a row's mass from its block maxima. A heavy tail settles
+    the joint cut at both bounds; a flat tail whose mass moves top-p's boundary does not, and
+    the exact mass decides. Either way the draws are the general path's."""
+    import fastsample.ops.small_top_k as small
+
+    rng = np.random.default_rng(3)
+    vocab = 20_000
+    heavy = rng.normal(size=(4, vocab)) * 3  # top-p reaches past the top 20 at both bounds
+    flat = np.full((4, vocab), -5.5)  # a tail of mass ~0.6 of the top's, ~1/256 a block max
+    flat[:, :8] = np.log(np.array([60.0, 30.0, 20.0, 12.0, 9.0, 7.0, 5.0, 3.0]))
+    flat += rng.normal(size=flat.shape) * 1e-3
+    exact_masses = []
+    row_mass = small._row_mass
+    monkeypatch.setattr(small, "_row_mass", lambda *a: exact_masses.append(1) or row_mass(*a))
+    for rows, top_p, falls_back in ((heavy, 0.9, False), (flat, 0.6, True)):
+        x = torch.tensor(rows, dtype=torch.float32)
+        controls = dict(temperature=torch.full((4,), 1.0), top_k=torch.full((4,), 20),
+                        top_p=torch.full((4,), top_p), min_p=torch.zeros(4))  # fmt: skip
+        args = dict(**controls, cut_order="joint", seed=torch.arange(4), num_samples=3)
+        exact_masses.clear()
+        fast = fs.sample(x, **args)
+        assert bool(exact_masses) == falls_back
+        want = [reference_probs(r, 1.0, 20, top_p, 0.0, cut_order="joint") for r in rows]
+        assert_matches_reference(fs.process(x, **controls, cut_order="joint"), np.stack(want),
+                                 "joint")  # fmt: skip
+        with monkeypatch.context() as general:
+            general.setattr(small, "applies", lambda *a: False)
+            assert torch.equal(fast.token_ids, fs.sample(x, **args).token_ids)
+
+
 def law_cases():
     yield LawCase("cut_order='vllm' V=16", law("vllm"), LAW_DRAWS, CLAIM)
+    yield LawCase("cut_order='joint' V=16", joint_law("joint"), JOINT_DRAWS, CLAIM)

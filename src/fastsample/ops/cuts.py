@@ -38,7 +38,12 @@ def top_p_cut(weights: Tensor, top_p: float | Tensor, mass: Tensor | None) -> Te
 
 
 def top_p_cut_from_candidates(
-    candidates: Tensor, cut_k: Tensor, top_p: float | Tensor, ties: Tensor, on: bool = False
+    candidates: Tensor,
+    cut_k: Tensor,
+    top_p: float | Tensor,
+    ties: Tensor,
+    on: bool = False,
+    mass: Tensor | None = None,
 ) -> Tensor:
     """Top-p threshold after a top-k cut taken from candidates.
 
@@ -51,10 +56,15 @@ def top_p_cut_from_candidates(
     on how many candidates follow the row's own ``k``. A tensor ``top_p`` of 1 or more (off,
     or invalid) gives 0, like :func:`top_p_cut`; ``on=True`` says no row's is (read on the
     host), which skips that mask.
+
+    ``mass`` (``(B,)`` float64), when given, replaces the survivors' mass: the whole row's in
+    the ``"joint"`` order. Where the candidates above ``cut_k`` do not reach ``top_p`` of it,
+    top-p keeps at least the top-k set and the cut is ``cut_k``.
     """
     above = torch.where(candidates > cut_k[:, None], candidates, 0.0).to(torch.float64)
     running = above.cumsum(-1)
-    mass = running[:, -1] + ties * cut_k.to(torch.float64)
+    if mass is None:
+        mass = running[:, -1] + ties * cut_k.to(torch.float64)
     target = (top_p.to(torch.float64) if isinstance(top_p, Tensor) else top_p) * mass
     reached = running >= target[:, None]
     first = reached.to(torch.uint8).argmax(-1, keepdim=True)
@@ -155,10 +165,13 @@ def row_cuts(
         cut_min = as_rows(controls.min_p, batch, f64).to(weights.dtype) * peak
     if controls.top_p is not None:
         # Top-p's mass is that of the survivors of the cuts before it: top-k, and min-p too
-        # in the "vllm" order. Every such cut is a threshold (the floor), and for thresholds
-        # at or above it the mass above them is the same with or without the earlier cuts,
-        # so top-p needs only the survivors' mass, not a masked copy.
-        floor = cut
+        # in the "vllm" order (none in the "joint" order: the whole row's mass). Every such
+        # cut is a threshold (the floor), and for thresholds at or above it the mass above
+        # them is the same with or without the earlier cuts, so top-p needs only the
+        # survivors' mass, not a masked copy.
+        floor = None if controls.top_p_on_whole_row else cut
+        if controls.top_p_on_whole_row:
+            candidates = None  # the whole row's mass: the radix's first round reads it
         if controls.min_p_first:
             assert cut_min is not None
             floor = cut_min if floor is None else torch.maximum(floor, cut_min)

@@ -98,6 +98,8 @@ def draw(
     wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
     if not 0 < batch <= ROWS or need > vocab or need * BLOCK >= GRAIN:
         return None
+    if controls.top_p_on_whole_row:  # top-p needs the whole row's mass: the tensor steps
+        return None
     if short and batch * vocab >= GRAIN:
         return None
     temperature = controls.temperature

@@ -110,6 +110,8 @@ def draw(
     wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
     if batch == 0 or need > vocab or (short and batch * vocab >= GRAIN):
         return None
+    if controls.top_p_on_whole_row:  # top-p needs the whole row's mass: the tensor steps
+        return None
     temperature = controls.temperature
     host = host_floats.read_controls(controls, batch)
     t_rows = host.temperature

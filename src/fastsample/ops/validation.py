@@ -190,11 +190,13 @@ def check_control_values(controls: object) -> None:
 # ---------------------------------------------------------------------------- controls
 
 
-CUT_ORDERS = ("transformers", "vllm")
-"""Where min-p sits among the cuts (see :func:`fastsample.sample`): ``"transformers"`` judges
-top-p on the top-k survivors and min-p after both (Hugging Face's warpers); ``"vllm"`` applies
-min-p first, so top-p's mass is that of the tokens surviving min-p and top-k (vLLM's
-``MinPLogitsProcessor`` before ``apply_top_k_top_p``)."""
+CUT_ORDERS = ("transformers", "vllm", "joint")
+"""Which tokens top-p's mass is taken over (see :func:`fastsample.sample`): ``"transformers"``
+judges top-p on the top-k survivors and min-p after both (Hugging Face's warpers); ``"vllm"``
+applies min-p first, so top-p's mass is that of the tokens surviving min-p and top-k (vLLM's
+``MinPLogitsProcessor`` before ``apply_top_k_top_p``); ``"joint"`` takes top-p on the whole
+tempered row, like top-k, and intersects the kept sets, min-p after both (SGLang's sampler and
+FlashInfer's ``filter_apply_order="joint"``)."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,12 @@ class Controls:
         """Top-p's mass counts only the tokens that min-p keeps (the ``"vllm"`` order); the
         order changes nothing unless both top-p and min-p are on."""
         return self.cut_order == "vllm" and self.min_p is not None and self.top_p is not None
+
+    @property
+    def top_p_on_whole_row(self) -> bool:
+        """Top-p's mass is the whole row's, not the top-k survivors' (the ``"joint"`` order);
+        the order changes nothing unless both top-k and top-p are on."""
+        return self.cut_order == "joint" and self.top_k is not None and self.top_p is not None
 
     @property
     def all_greedy(self) -> bool:
