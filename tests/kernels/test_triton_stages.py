@@ -249,6 +249,7 @@ STEP_CASES = {
     "raw-tensor": dict(mode="raw", form="tensor", num_samples=1),
     "processed-two-draws-greedy-rows": dict(mode="processed", form="tensor", num_samples=2),
     "raw-two-draws": dict(mode="raw", form="list", num_samples=2),
+    "processed-joint-order": dict(mode="processed", form="tensor", num_samples=1, order="joint"),
 }
 
 
@@ -269,6 +270,10 @@ def test_sample_step_draws_the_torch_paths_tokens(case, backend):
     batch, vocab = 6, 120
     x, _, stats, bitmask = _case(vocab, batch, len(case), STAGES, spec["form"], backend)
     rows = _with_controls(rows_for(vocab, batch, len(case), STAGES)[1], len(case))
+    for row in rows:
+        row.cut_order = spec.get("order", "transformers")
+        if row.cut_order == "joint":  # top-k and top-p both on: the order matters
+            row.top_k, row.top_p = 20, 0.8
     gen = torch.Generator().manual_seed(len(case))
     requested = torch.randint(-1, vocab, (batch, 4), generator=gen)
     params, _, _ = fastsample_args(

@@ -12,7 +12,8 @@ One program per row makes every pass over its row inside the kernel, so rows nev
    takes a greedy row's ``n`` largest inputs from the input itself);
 3. the exact cuts on those weights (:mod:`fastsample.kernels.select`): ``cut_k`` the k-th
    largest weight (ties kept), ``cut_p`` the largest threshold whose kept mass is
-   ``>= top_p`` of the top-k survivors' mass, ``cut_min = min_p`` (the largest weight is 1);
+   ``>= top_p`` of the top-k survivors' mass (``cut_order="vllm"``: of min-p's and top-k's;
+   ``"joint"``: of the whole row's), ``cut_min = min_p`` (the largest weight is 1);
 4. the kept weights ``fl(w / s)`` zeroed below 1, ``s = max(cut, floor)``, exactly as
    :func:`fastsample.ops.cuts.keep_at_least` (a Python ``min_p`` alone on logits keeps
    ``w > pred(min_p)`` unscaled, as the torch path does), their float64 block sums
@@ -160,7 +161,8 @@ def _controls_kernel(
     IS_F64: tl.constexpr, NORMALIZE: tl.constexpr,
     T_MODE: tl.constexpr, DIVIDE: tl.constexpr, K_MODE: tl.constexpr, P_MODE: tl.constexpr,
     M_MODE: tl.constexpr, CUT: tl.constexpr, GREEDY: tl.constexpr, STREAM_ROWS: tl.constexpr,
-    MIN_P_FIRST: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+    MIN_P_FIRST: tl.constexpr, P_ON_ROW: tl.constexpr, TILE: tl.constexpr,
+    BLOCK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     if IS_F64:
         FLOAT: tl.constexpr = tl.float64
@@ -251,9 +253,10 @@ def _controls_kernel(
         if P_MODE != _OFF:
             cut_p = tl.full((), 0, FLOAT)
             if p < 1:
-                if (K_MODE != _OFF) | MIN_P_FIRST:
+                if ((K_MODE != _OFF) & (not P_ON_ROW)) | MIN_P_FIRST:
                     # The survivors' mass of the cuts before top-p (top-k; min-p too in the
-                    # "vllm" order): what keep_at_least(w, floor) keeps.
+                    # "vllm" order): what keep_at_least(w, floor) keeps. In the "joint"
+                    # order (P_ON_ROW) top-p takes the whole row's mass, as without top-k.
                     floor = cut
                     if MIN_P_FIRST:
                         floor = tl.maximum(floor, min_p.to(FLOAT))
@@ -453,6 +456,7 @@ def processed_weights(
         T_MODE=t_mode, DIVIDE=t_mode in (NUMBER, TENSOR), K_MODE=_mode(k), P_MODE=_mode(p),
         M_MODE=_mode(m), CUT=cut, GREEDY=t_mode in (TENSOR, ZERO),
         STREAM_ROWS=stream is not None, MIN_P_FIRST=controls.min_p_first,
+        P_ON_ROW=controls.top_p_on_whole_row,
         TILE=max(tile_for(vocab, INTERPRETED), BLOCK), BLOCK=BLOCK,
         PRECISE=not INTERPRETED and libdevice is not None,
     )  # fmt: skip

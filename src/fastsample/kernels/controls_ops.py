@@ -79,14 +79,14 @@ def _controls_launcher(
     stream: Tensor | None,
     num_top: int,
     normalized: bool,
-    min_p_first: bool,
+    cut_order: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     controls = Controls(
         temperature if temperature is not None else _off(temperature_value, 1.0),
         top_k if top_k is not None else (top_k_value or None),
         top_p if top_p is not None else _off(top_p_value, 1.0),
         min_p if min_p is not None else _off(min_p_value, 0.0),
-        "vllm" if min_p_first else "transformers",
+        cut_order,
     )
     logits, probs = (source, None) if is_logits else (None, source)
     got, top_ids, top_logp = _controls.processed_weights(
@@ -209,7 +209,7 @@ def processed(
         stream,
         num_top,
         normalized,
-        controls.min_p_first,
+        controls.cut_order,
     )
 
 
