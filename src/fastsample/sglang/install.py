@@ -87,7 +87,8 @@ def seeded_batch_info(original: Any, *args: Any, **kwargs: Any) -> Any:
         if info.sampling_seed is None:
             import torch
 
-            batch = args[0] if args else kwargs["batch"]
+            # The registry may pass the class first (a classmethod): the batch has ``reqs``.
+            batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))
             seeds = [
                 r.sampling_params.sampling_seed
                 if r.sampling_params.sampling_seed is not None
