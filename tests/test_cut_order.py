@@ -204,6 +204,7 @@ def test_joint_bounds_settle_or_fall_back_to_the_exact_mass(monkeypatch):
     """The small-top-k path bounds a row's mass from its block maxima. A heavy tail settles
     the joint cut at both bounds; a flat tail whose mass moves top-p's boundary does not, and
     the exact mass decides. Either way the draws are the general path's."""
+    import fastsample.ops.joint as joint
     import fastsample.ops.small_top_k as small
 
     rng = np.random.default_rng(3)
@@ -213,8 +214,8 @@ def test_joint_bounds_settle_or_fall_back_to_the_exact_mass(monkeypatch):
     flat[:, :8] = np.log(np.array([60.0, 30.0, 20.0, 12.0, 9.0, 7.0, 5.0, 3.0]))
     flat += rng.normal(size=flat.shape) * 1e-3
     exact_masses = []
-    row_mass = small._row_mass
-    monkeypatch.setattr(small, "_row_mass", lambda *a: exact_masses.append(1) or row_mass(*a))
+    row_mass = joint.row_mass
+    monkeypatch.setattr(joint, "row_mass", lambda *a: exact_masses.append(1) or row_mass(*a))
     for rows, top_p, falls_back in ((heavy, 0.9, False), (flat, 0.6, True)):
         x = torch.tensor(rows, dtype=torch.float32)
         controls = dict(temperature=torch.full((4,), 1.0), top_k=torch.full((4,), 20),
@@ -226,9 +227,20 @@ def test_joint_bounds_settle_or_fall_back_to_the_exact_mass(monkeypatch):
         want = [reference_probs(r, 1.0, 20, top_p, 0.0, cut_order="joint") for r in rows]
         assert_matches_reference(fs.process(x, **controls, cut_order="joint"), np.stack(want),
                                  "joint")  # fmt: skip
+        one_row = [fs.sample(x[b : b + 1], **one_row_args(args, b)).token_ids for b in range(4)]
         with monkeypatch.context() as general:
             general.setattr(small, "applies", lambda *a: False)
             assert torch.equal(fast.token_ids, fs.sample(x, **args).token_ids)
+            for b in range(4):  # one row: the host-rows path against the general one
+                want_b = fs.sample(x[b : b + 1], **one_row_args(args, b)).token_ids
+                assert torch.equal(one_row[b], want_b)
+
+
+def one_row_args(args, b):
+    return {
+        name: value[b : b + 1] if isinstance(value, torch.Tensor) else value
+        for name, value in {**args, "num_samples": 1}.items()
+    }
 
 
 def law_cases():

@@ -136,10 +136,16 @@ def scales(
     count: int,
     x_lows: Sequence[float],
     host: HostControls,
+    row_mass_bounds: Callable[[int, float, float], tuple[float, float, Callable[[], float]]]
+    | None = None,
 ) -> list[float]:
     """Each row's ``max(cut, CUT_FLOOR)`` (float32 values): the k-th weight, top-p's cut on
     the candidates (``weights[b][:count]``, largest first; ``values`` their logits, which hold
-    every entry at or above ``x_lows[b]``, the smallest logit reaching the k-th weight), min-p."""
+    every entry at or above ``x_lows[b]``, the smallest logit reaching the k-th weight), min-p.
+
+    ``row_mass_bounds(b, cut_k, top_k_mass)``, in the ``"joint"`` order: bounds on row ``b``'s
+    whole mass and a function giving it exactly (see :mod:`.joint`); top-p's cut is taken on
+    it, from the bounds where they agree."""
     batch, controls = len(weights), host.controls
     p_rows, mp_rows = host.rows("top_p"), host.rows("min_p")
     tensor_p = controls.top_p is not None and not isinstance(controls.top_p, float)
@@ -159,21 +165,41 @@ def scales(
                 floor = max(cut_k, cut_min)
                 if floor > cut_k:
                     ties = float(sum(map(floor.__eq__, candidates)))
-            cut = max(cut, _top_p_cut(candidates, floor, float(p_rows[b]), ties, tensor_p))
+            p = float(p_rows[b])
+            if row_mass_bounds is not None:  # the joint order: the whole row's mass
+                cut_p = _joint_top_p_cut(candidates, cut_k, p, ties, tensor_p,
+                                         row_mass_bounds, b)  # fmt: skip
+            else:
+                cut_p = _top_p_cut(candidates, floor, p, ties, tensor_p)
+            cut = max(cut, cut_p)
         if cut_min is not None:
             cut = max(cut, cut_min)
         out.append(max(cut, _CUT_FLOOR))
     return out
 
 
-def _top_p_cut(candidates: Sequence[float], floor: float, p: float, ties: float, tensor: bool):
-    """:func:`fastsample.ops.cuts.top_p_cut_from_candidates` for one row."""
+def _joint_top_p_cut(candidates, cut_k, p, ties, tensor, row_mass_bounds, b) -> float:
+    """:func:`fastsample.ops.joint.joint_top_p_cut` for one row."""
+    top_k_mass = sum(x for x in candidates if x > cut_k) + ties * cut_k
+    low, high, exact = row_mass_bounds(b, cut_k, top_k_mass)
+    at_low = _top_p_cut(candidates, cut_k, p, ties, tensor, mass=low)
+    if at_low == _top_p_cut(candidates, cut_k, p, ties, tensor, mass=high):
+        return at_low
+    return _top_p_cut(candidates, cut_k, p, ties, tensor, mass=exact())
+
+
+def _top_p_cut(
+    candidates: Sequence[float], floor: float, p: float, ties: float, tensor: bool,
+    mass: float | None = None,
+) -> float:  # fmt: skip
+    """:func:`fastsample.ops.cuts.top_p_cut_from_candidates` for one row (``mass``: the
+    mass top-p takes its share of, if not the survivors')."""
     if tensor and not p < 1:  # off (1) or out of range: no cut
         return 0.0
     # The float64 masses left to right, as torch's cumsum; they never decrease, so the first
     # one reaching the target is found by bisection.
     runs = list(accumulate(x if x > floor else 0.0 for x in candidates))
-    target = p * (runs[-1] + ties * floor)
+    target = p * (runs[-1] + ties * floor if mass is None else mass)
     first = bisect_left(runs, target)
     return candidates[first] if first < len(runs) else floor
 

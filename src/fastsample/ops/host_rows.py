@@ -43,7 +43,7 @@ from array import array
 import torch
 from torch import Tensor
 
-from . import host_floats
+from . import host_floats, joint
 from .cuts import BELOW_ONE
 from .host_floats import rounded
 from .host_top_k import LOW_STEPS, HostDrawn, candidate_sizes
@@ -98,8 +98,6 @@ def draw(
     wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
     if not 0 < batch <= ROWS or need > vocab or need * BLOCK >= GRAIN:
         return None
-    if controls.top_p_on_whole_row:  # top-p needs the whole row's mass: the tensor steps
-        return None
     if short and batch * vocab >= GRAIN:
         return None
     temperature = controls.temperature
@@ -152,9 +150,12 @@ def draw(
         if num_top and not row[num_top - 1] > row[wide]:
             return None  # the num_top largest are not all candidates
         x_lows.append(x_low)
+    bounds = None
+    if controls.top_p_on_whole_row:  # top-p on the whole row's mass (joint order)
+        bounds = joint.host_mass_bounds(logits, maxima, peaks, divisors)
     scales = host_floats.scales(
         [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, x_lows,
-        host,
+        host, bounds,
     )  # fmt: skip
     kept = []
     for row, scale in zip(weights, scales, strict=True):
@@ -244,9 +245,10 @@ def _largest_in_piece(logits: Tensor, blocks: Tensor, need: int) -> tuple[list, 
     groups = content.view(batch, need * per_block, _GROUP)
     best_groups = torch.topk(groups.amax(-1), need, dim=1, sorted=False).indices
     if batch > 1:  # as rows of the flat group view
-        best_groups = best_groups + torch.arange(
-            0, batch * need * per_block, need * per_block, device=device
-        )[:, None]
+        best_groups = (
+            best_groups
+            + torch.arange(0, batch * need * per_block, need * per_block, device=device)[:, None]
+        )
     picked = content.view(-1, _GROUP).index_select(0, best_groups.view(-1))
     best = torch.topk(picked.view(batch, need * _GROUP), need, dim=1)
     values, places = best.values.tolist(), best.indices.tolist()

@@ -39,6 +39,7 @@ steps: same numbers, more ops.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,7 @@ from . import host_floats, threads
 from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
 from .host_floats import any_value, below_one, finite, positive
 from .inverse_cdf import BLOCK, BLOCK_SHIFT, inverse_cdf_draw, kept_block_sums
+from .joint import joint_top_p_cut
 from .noise import UniformSource
 from .select import _largest_first
 from .threads import GRAIN
@@ -109,8 +111,6 @@ def draw(
     blocks = maxima.shape[1]
     wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
     if batch == 0 or need > vocab or (short and batch * vocab >= GRAIN):
-        return None
-    if controls.top_p_on_whole_row:  # top-p needs the whole row's mass: the tensor steps
         return None
     temperature = controls.temperature
     host = host_floats.read_controls(controls, batch)
@@ -178,7 +178,14 @@ def draw(
         distinct = all(found_flags[1:])
     elif not bool(common.all()):
         return None
-    scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls, host)
+    joint = None
+    if controls.top_p_on_whole_row:  # top-p on the whole row's mass, bounded from the maxima
+
+        def joint(candidates: Tensor, cut_k: Tensor, ties: Tensor) -> Tensor:
+            return joint_top_p_cut(logits, maxima, candidates, cut_k, ties, controls.top_p,
+                                   best, divisor, readable=True)  # fmt: skip
+
+    scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls, host, joint)
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
         return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
@@ -229,9 +236,10 @@ def _lowest_reaching(weigh, x_k: Tensor, cut_k: Tensor) -> tuple[Tensor, Tensor]
 
 def _scale(
     wide_weights: Tensor, wide_values: Tensor, cut_k: Tensor, x_low: Tensor, count: int,
-    controls: Controls, host: host_floats.HostControls,
+    controls: Controls, host: host_floats.HostControls, joint: Callable | None = None,
 ) -> Tensor:  # fmt: skip
-    """``(B, 1)`` float32 ``max(cut_k, cut_p, cut_min, CUT_FLOOR)`` by tensor ops."""
+    """``(B, 1)`` float32 ``max(cut_k, cut_p, cut_min, CUT_FLOOR)`` by tensor ops; ``joint``
+    gives top-p's cut in the joint order (from the candidates, ``cut_k`` and the ties)."""
     batch = wide_weights.shape[0]
     candidates = wide_weights[:, :count]
     cut = cut_k
@@ -250,7 +258,10 @@ def _scale(
             ties = torch.where(floor_p > cut_k, at_floor, ties)
         top_p = controls.top_p
         cut_on = host.top_p is None or host_floats.within(host.top_p, any_value, below_one)
-        cut_p = top_p_cut_from_candidates(candidates, floor_p, top_p, ties, cut_on)
+        if joint is not None:
+            cut_p = joint(candidates, cut_k, ties)
+        else:
+            cut_p = top_p_cut_from_candidates(candidates, floor_p, top_p, ties, cut_on)
         cut = torch.maximum(cut, cut_p)
     if cut_min is not None:
         cut = torch.maximum(cut, cut_min)

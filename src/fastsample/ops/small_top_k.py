@@ -65,6 +65,7 @@ from torch import Tensor
 from . import host_rows, host_top_k
 from .cuts import BELOW_ONE, CUT_FLOOR, as_rows, top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums, tile_sums
+from .joint import joint_top_p_cut
 from .noise import UniformSource
 from .pieces import piece_rows
 from .seeds import _small_op_mode
@@ -274,7 +275,7 @@ def _draw_from_maxima(
             at_floor = (candidates == floor[:, None]).sum(-1, dtype=torch.float64)
             ties = torch.where(floor > cut_k, at_floor, ties)
         if controls.top_p_on_whole_row:
-            cut_p = _joint_top_p_cut(
+            cut_p = joint_top_p_cut(
                 logits, maxima, candidates, cut_k, ties, controls.top_p, shift, divisor, readable
             )
         else:
@@ -323,88 +324,6 @@ def _draw_from_maxima(
         else:
             greedy = None
     return Drawn(token_ids, genuine, total, valid, read, maxima, greedy, greedy_ids)
-
-
-# Relative slack on the bounds of a row's mass: far above the float rounding of a float64 sum
-# of float32 weights, far below any top-p gap that matters (a row whose cut the slack could
-# move takes the exact mass instead).
-_MASS_SLACK = 1e-5
-# The exact mass is summed a few rows at a time through pieces of this many elements.
-_MASS_PIECE_ELEMENTS = 1 << 21
-
-
-def _joint_top_p_cut(
-    logits: Tensor,
-    maxima: Tensor,
-    candidates: Tensor,
-    cut_k: Tensor,
-    ties: Tensor,
-    top_p: float | Tensor,
-    shift: Tensor,
-    divisor: Tensor | float | None,
-    readable: bool,
-) -> Tensor:
-    """Top-p's cut on the whole row's mass (the ``"joint"`` order), from the candidates.
-
-    The cut is the first candidate whose running mass reaches ``top_p`` of the row's mass
-    ``Z``, or ``cut_k`` when none above it does (top-p then keeps the whole top-k set); it only
-    moves one way as ``Z`` grows. ``Z`` is bounded from the block maxima alone: the top-k set's
-    mass plus, outside it, at least each block's largest entry below ``cut_k`` and at most
-    ``BLOCK`` entries of ``min(block maximum, cut_k)`` a block. Where the cuts at both bounds
-    agree (read on the host, CPU eager: real logits' tails are light, and a heavy tail puts
-    the cut at ``cut_k`` either way), that is the cut; otherwise (and on CUDA or under
-    ``torch.compile``, where reading would sync) the exact ``Z``, one pass of ``exp`` over the
-    row, decides.
-    """
-    f64 = torch.float64
-    kept_k = torch.where(candidates > cut_k[:, None], candidates, 0.0).sum(-1, dtype=f64)
-    kept_k = kept_k + ties * cut_k.to(f64)
-    if readable:
-        blocks = maxima.shape[1]
-        block_weights = torch.where(
-            maxima > -math.inf,
-            logit_weights_divided_(
-                torch.empty_like(maxima, dtype=torch.float32), maxima.float(), shift, divisor
-            ),
-            0.0,
-        )
-        sizes = torch.full((blocks,), float(BLOCK), dtype=f64, device=logits.device)
-        sizes[-1] = logits.shape[1] - (blocks - 1) * BLOCK
-        below = torch.where(block_weights < cut_k[:, None], block_weights, 0.0)
-        low = kept_k + below.sum(-1, dtype=f64)
-        high = kept_k + torch.minimum(block_weights, cut_k[:, None]).to(f64).mv(sizes)
-        at_low = top_p_cut_from_candidates(
-            candidates, cut_k, top_p, ties, mass=low * (1 - _MASS_SLACK)
-        )
-        at_high = top_p_cut_from_candidates(
-            candidates, cut_k, top_p, ties, mass=high * (1 + _MASS_SLACK)
-        )
-        # Rows with a NaN or infinite logit are invalid whatever their cut.
-        settled = (at_low == at_high) | ~torch.isfinite(low) | ~torch.isfinite(high)
-        if bool(settled.all()):
-            return at_low
-    return top_p_cut_from_candidates(
-        candidates, cut_k, top_p, ties, mass=_row_mass(logits, shift, divisor)
-    )
-
-
-def _row_mass(logits: Tensor, shift: Tensor, divisor: Tensor | float | None) -> Tensor:
-    """``(B,)`` float64 sum of every entry's weight (the general path's formula), a few rows at
-    a time."""
-    batch, vocab = logits.shape
-    rows = piece_rows(batch, vocab, logits.device, _MASS_PIECE_ELEMENTS)
-    scratch = torch.empty(min(rows, batch), vocab, dtype=torch.float32, device=logits.device)
-    masses = []
-    for start in range(0, batch, rows):
-        piece = slice(start, min(start + rows, batch))
-        out = scratch[: piece.stop - piece.start]
-        part = divisor[piece] if isinstance(divisor, Tensor) else divisor
-        masses.append(
-            logit_weights_divided_(out, logits[piece], shift[piece], part).sum(
-                -1, dtype=torch.float64
-            )
-        )
-    return masses[0] if len(masses) == 1 else torch.cat(masses)
 
 
 def _lowest_logit_reaching(

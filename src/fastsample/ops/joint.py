@@ -1,0 +1,145 @@
+"""Top-p in the ``"joint"`` order from a row's top-k candidates, without weighing the row.
+
+In the joint order (SGLang's sampler, FlashInfer's ``filter_apply_order="joint"``) top-p's
+mass is the whole row's, ``Z``, not the top-k survivors'. The candidate paths
+(:mod:`.small_top_k`, :mod:`.host_top_k`) weigh only the ``k`` largest entries, so ``Z`` is
+first bounded from the block maxima they already have; only rows whose cut the bounds leave
+open pay one pass of ``exp`` over the row for the exact ``Z``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .cuts import top_p_cut_from_candidates
+from .inverse_cdf import BLOCK
+from .pieces import piece_rows
+from .weights import logit_weights_divided_
+
+__all__ = ["host_mass_bounds", "joint_top_p_cut", "row_mass"]
+
+
+# Relative slack on the bounds of a row's mass: far above the float rounding of a float64 sum
+# of float32 weights, far below any top-p gap that matters (a row whose cut the slack could
+# move takes the exact mass instead).
+_MASS_SLACK = 1e-5
+# The exact mass is summed a few rows at a time through pieces of this many elements.
+_MASS_PIECE_ELEMENTS = 1 << 21
+
+
+def joint_top_p_cut(
+    logits: Tensor,
+    maxima: Tensor,
+    candidates: Tensor,
+    cut_k: Tensor,
+    ties: Tensor,
+    top_p: float | Tensor,
+    shift: Tensor,
+    divisor: Tensor | float | None,
+    readable: bool,
+) -> Tensor:
+    """Top-p's cut on the whole row's mass (the ``"joint"`` order), from the candidates.
+
+    The cut is the first candidate whose running mass reaches ``top_p`` of the row's mass
+    ``Z``, or ``cut_k`` when none above it does (top-p then keeps the whole top-k set); it only
+    moves one way as ``Z`` grows. ``Z`` is bounded from the block maxima alone: the top-k set's
+    mass plus, outside it, at least each block's largest entry below ``cut_k`` and at most
+    ``BLOCK`` entries of ``min(block maximum, cut_k)`` a block. Where the cuts at both bounds
+    agree (read on the host, CPU eager: real logits' tails are light, and a heavy tail puts
+    the cut at ``cut_k`` either way), that is the cut; otherwise (and on CUDA or under
+    ``torch.compile``, where reading would sync) the exact ``Z``, one pass of ``exp`` over the
+    row, decides.
+    """
+    f64 = torch.float64
+    kept_k = torch.where(candidates > cut_k[:, None], candidates, 0.0).sum(-1, dtype=f64)
+    kept_k = kept_k + ties * cut_k.to(f64)
+    if readable:
+        blocks = maxima.shape[1]
+        block_weights = torch.where(
+            maxima > -math.inf,
+            logit_weights_divided_(
+                torch.empty_like(maxima, dtype=torch.float32), maxima.float(), shift, divisor
+            ),
+            0.0,
+        )
+        sizes = torch.full((blocks,), float(BLOCK), dtype=f64, device=logits.device)
+        sizes[-1] = logits.shape[1] - (blocks - 1) * BLOCK
+        below = torch.where(block_weights < cut_k[:, None], block_weights, 0.0)
+        low = kept_k + below.sum(-1, dtype=f64)
+        high = kept_k + torch.minimum(block_weights, cut_k[:, None]).to(f64).mv(sizes)
+        at_low = top_p_cut_from_candidates(
+            candidates, cut_k, top_p, ties, mass=low * (1 - _MASS_SLACK)
+        )
+        at_high = top_p_cut_from_candidates(
+            candidates, cut_k, top_p, ties, mass=high * (1 + _MASS_SLACK)
+        )
+        # Rows with a NaN or infinite logit are invalid whatever their cut.
+        settled = (at_low == at_high) | ~torch.isfinite(low) | ~torch.isfinite(high)
+        if bool(settled.all()):
+            return at_low
+        # The exact mass of the unsettled rows only (host indices: CPU eager).
+        rows = (~settled).nonzero().squeeze(1)
+        part = divisor.index_select(0, rows) if isinstance(divisor, Tensor) else divisor
+        exact = row_mass(logits.index_select(0, rows), shift.index_select(0, rows), part)
+        p_rows = top_p.index_select(0, rows) if isinstance(top_p, Tensor) else top_p
+        cut = top_p_cut_from_candidates(
+            candidates.index_select(0, rows), cut_k.index_select(0, rows), p_rows,
+            ties.index_select(0, rows), mass=exact,
+        )  # fmt: skip
+        return at_low.index_copy(0, rows, cut)
+    return top_p_cut_from_candidates(
+        candidates, cut_k, top_p, ties, mass=row_mass(logits, shift, divisor)
+    )
+
+
+def row_mass(logits: Tensor, shift: Tensor, divisor: Tensor | float | None) -> Tensor:
+    """``(B,)`` float64 sum of every entry's weight (the general path's formula), a few rows at
+    a time."""
+    batch, vocab = logits.shape
+    rows = piece_rows(batch, vocab, logits.device, _MASS_PIECE_ELEMENTS)
+    scratch = torch.empty(min(rows, batch), vocab, dtype=torch.float32, device=logits.device)
+    masses = []
+    for start in range(0, batch, rows):
+        piece = slice(start, min(start + rows, batch))
+        out = scratch[: piece.stop - piece.start]
+        part = divisor[piece] if isinstance(divisor, Tensor) else divisor
+        masses.append(
+            logit_weights_divided_(out, logits[piece], shift[piece], part).sum(
+                -1, dtype=torch.float64
+            )
+        )
+    return masses[0] if len(masses) == 1 else torch.cat(masses)
+
+
+def host_mass_bounds(
+    logits: Tensor, maxima: Tensor, peaks: list[float], divisors: list[float | None]
+) -> Callable[[int, float, float], tuple[float, float, Callable[[], float]]]:
+    """For :mod:`.host_rows` (one or two rows, Python floats): ``bounds(b, cut_k,
+    top_k_mass)`` gives row ``b``'s mass bounds (slack included, as in
+    :func:`joint_top_p_cut`) and a function computing its exact mass."""
+    vocab = logits.shape[1]
+    shift = torch.tensor(peaks, dtype=torch.float32, device=logits.device)
+    rows = []
+    for b, divisor in enumerate(divisors):
+        out = torch.empty(maxima.shape[1], dtype=torch.float32, device=logits.device)
+        row = logit_weights_divided_(out[None], maxima[b : b + 1].float(), shift[b : b + 1],
+                                     divisor)  # fmt: skip
+        rows.append(row[0].tolist())
+    last = vocab - (maxima.shape[1] - 1) * BLOCK
+
+    def bounds(b: int, cut_k: float, top_k_mass: float):
+        weights = rows[b]
+        low = top_k_mass + sum(w for w in weights if w < cut_k)
+        capped = [min(w, cut_k) for w in weights]
+        high = top_k_mass + BLOCK * sum(capped[:-1]) + last * capped[-1]
+
+        def exact() -> float:
+            return float(row_mass(logits[b : b + 1], shift[b : b + 1], divisors[b])[0])
+
+        return low * (1 - _MASS_SLACK), high * (1 + _MASS_SLACK), exact
+
+    return bounds
