@@ -32,9 +32,13 @@ class Mode:
 
     dest: str
     module: str
+    value: str | None = None
+    """If set, the mode runs only when the option has this value (``--engine sglang``)."""
 
     def chosen(self, args: argparse.Namespace) -> bool:
         value = getattr(args, self.dest, None)
+        if self.value is not None:
+            return value == self.value
         return value is not None and value is not False  # --distributed 0 is chosen (an error)
 
 
@@ -44,6 +48,7 @@ MODES: tuple[Mode, ...] = (
     Mode("controls", "controls"),
     Mode("generate", "generate"),
     Mode("launches", "launches"),
+    Mode("engine", "sglang_engine", value="sglang"),
     Mode("engine", "engine"),
 )
 """Checked in order; the first chosen one runs."""
@@ -140,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--setting",
         nargs="+",
         metavar="GLOB",
-        help="with --controls: only these settings (fnmatch globs, e.g. 'k=50' 'T=*')",
+        help="with --controls or --engine: only these settings (fnmatch globs, e.g. 'k=50' 'T=*')",
     )
     parser.add_argument(
         "--distributed",
@@ -169,11 +174,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=("vllm",),
+        choices=("vllm", "sglang"),
         default=None,
         help="benchmark an inference engine's sampling with and without fastsample's plugin: "
         "vLLM's sampler step at every --batch (default 1 8 64) and the first --vocab (default "
-        "128256), and LLM.generate on a tiny model (fastsample.tools.bench.engine; needs vLLM)",
+        "128256), and LLM.generate on a tiny model (fastsample.tools.bench.engine; needs vLLM); "
+        "sglang: SGLang's Sampler.forward against the plugin's, standalone, at every --batch, "
+        "the first --vocab and every --threads (fastsample.tools.bench.sglang_engine; needs "
+        "SGLang 0.5.23)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="with --engine sglang: torch thread counts, each set in this process for its "
+        "rows and restored after (default 1 2)",
     )
     parser.add_argument(
         "--tail",
