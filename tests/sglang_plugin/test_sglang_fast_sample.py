@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from sglang_helpers import HAVE_SGLANG, SKIP_REASON
+
 from stattests import LawCase, assert_law, draws_needed, law_rejected
 
 pytestmark = pytest.mark.skipif(not HAVE_SGLANG, reason=SKIP_REASON)
