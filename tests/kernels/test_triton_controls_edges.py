@@ -131,6 +131,45 @@ def test_joint_order_law_and_its_negative_control(controls_as):
     assert np.array_equal(sequential, test_cut_order.joint_law("transformers") > 0)
 
 
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_verification_processes_targets_in_the_joint_order(kind, monkeypatch):
+    """``verify_chain``/``verify_tree`` with ``target_logits`` and joint-order ``params`` on
+    the Triton backend (controls kernel, verify kernel): the torch path's outputs, whose law
+    tests/verify/test_verify_cut_order.py judges. The draft (the chain's, the tree's first
+    child) is the token only the joint order keeps: with the sequential order's targets it is
+    never accepted, so the rows where the joint order accepts it differ (seeded: some do)."""
+    import fastsample as fs
+
+    # Few rows: the interpreter runs the controls kernel at ~0.1 s a row on a loaded box.
+    rows, positions = (8, 2) if kind == "chain" else (6, 3)
+    vocab = len(test_cut_order.LAW_ROW)
+    gen = torch.Generator().manual_seed(5)
+    row = torch.tensor(test_cut_order.LAW_ROW, dtype=torch.float32)
+    logits = row + torch.randn(rows, positions, vocab, generator=gen) * 0.05
+    t, k, p, m = test_cut_order.JOINT_CONTROLS
+    seed = torch.arange(rows) + 10  # two rows accept the joint-only draft
+    if kind == "chain":
+        args = dict(draft_token_ids=torch.full((rows, 1), 2), seed=seed)
+        verify = fs.verify_chain
+    else:
+        tree = fs.TokenTree(torch.tensor([[0, 2, 0]]).expand(rows, 3), [-1, 0, 0])
+        args = dict(tree=tree, seed=seed)
+        verify = fs.verify_tree
+
+    def run(order, backend):
+        monkeypatch.setenv("FASTSAMPLE_BACKEND", backend)
+        params = fs.StepParams(rows, vocab, temperature=t, top_k=k, top_p=p, min_p=m,
+                               cut_order=order)  # fmt: skip
+        return verify(target_logits=logits, params=params, **args)
+
+    ours, theirs = run("joint", "triton"), run("joint", "torch")
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    sequential = run("transformers", "triton")
+    assert not bool((sequential.token_ids == 2).any())
+    assert bool((ours.token_ids == 2).any())
+
+
 def law_cases():
     carried = (
         "tokens equal to the torch path's with the same counters (tests/kernels/"
