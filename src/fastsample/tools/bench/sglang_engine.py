@@ -27,7 +27,8 @@ each called standalone on the same batches, as ``ModelRunner.sample`` calls its 
   before it (``ModelRunner._preprocess_logits``: ``info.update_regex_vocab_mask()`` and
   ``info.apply_logits_bias(logits)``, the orchestrator's frequency, presence and repetition
   penalties over 128 output tokens fed through ``cumulate_output_tokens`` as the scheduler
-  feeds them) is timed for both. Logits are ``N(0, 3^2)`` float32, fresh every round; both
+  feeds them; SGLang turns the overlap schedule off on the CPU, so the orchestrator applies
+  them right there) is timed for both. Logits are ``N(0, 3^2)`` float32, fresh every round; both
   samplers edit them in place, so each call gets its own copy, made outside the timed
   region. Contenders alternate A B B A (SGLang, plugin, plugin, SGLang, ...); medians.
 * **Settings.** "T/k/p joint" (T=0.7, k=50, p=0.9 on every row), "T/k/p rows differ" (per
@@ -60,7 +61,7 @@ import time
 import warnings
 from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -293,6 +294,8 @@ class Row:
     repeats: int
     target: float | None
     handed: int  # plugin calls handed to SGLang's code (must be 0)
+    sglang_times_ms: list[float] = field(default_factory=list)
+    plugin_times_ms: list[float] = field(default_factory=list)
 
 
 def measure(setting: str, batch: int, vocab: int, threads: int, timing: Timing,
@@ -312,9 +315,11 @@ def measure(setting: str, batch: int, vocab: int, threads: int, timing: Timing,
             }, b, timing, seed=batch)  # fmt: skip
     finally:
         torch.set_num_threads(before)
-    s, p = (statistics.median(times[k]) * 1e3 for k in ("sglang", "plugin"))
-    return Row(setting, batch, vocab, threads, s, p, s / p, len(times["plugin"]),
-               target(setting, batch), CALLS["handed"] - handed)  # fmt: skip
+    ms = {k: [t * 1e3 for t in v] for k, v in times.items()}
+    s, p = statistics.median(ms["sglang"]), statistics.median(ms["plugin"])
+    return Row(setting, batch, vocab, threads, s, p, s / p, len(ms["plugin"]),
+               target(setting, batch), CALLS["handed"] - handed, ms["sglang"],
+               ms["plugin"])  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- agreement
@@ -421,6 +426,16 @@ def print_agreement(results: list[Agreement]) -> None:
 # ---------------------------------------------------------------------------- entry point
 
 
+def _caution(threads: int) -> None:
+    """Say so when other processes hold the CPUs: a row on several threads then waits, at
+    every parallel op, for a thread the OS has descheduled (a call of many small ops waits
+    many times), and its median says more about the load than about the code."""
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if threads > 1 and load > cpus - 0.5:
+        print(f"(!) load {load:.1f} on {cpus} CPUs: rows on more than one thread wait on "
+              "descheduled OpenMP threads; compare those from a quiet machine")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
@@ -444,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
     timing = Timing(
         warmup=args.warmup if args.warmup is not None else 1,
         min_repeats=args.min_repeats or (3 if quick else 5),
-        max_repeats=args.repeats or (6 if quick else 20),
+        max_repeats=args.repeats or (6 if quick else 50),
         budget_s=args.budget if args.budget is not None else (0.3 if quick else 1.5),
     )
     info = machine_info(torch.device("cpu"))
@@ -452,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
         f"fastsample bench --engine sglang: SGLang {version}, torch {info['torch']}, "
         f"{info['device_name']}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
     )
+    _caution(max(threads))
     if not version.startswith(SUPPORTED_VERSIONS):
         print(f"(!) the plugin supports SGLang {', '.join(SUPPORTED_VERSIONS)}, this is {version}")
     print(
@@ -482,6 +498,7 @@ def run(args: argparse.Namespace) -> int:
         f"{sum(1 for r in rows if r.target and r.ratio < r.target)} missed; load after: "
         f"{os.getloadavg()[0]:.2f}"
     )
+    _caution(max(threads))
     if args.json:
         save_json(args.json, [*rows, *checks], info,
                   {"mode": "engine", "engine": "sglang", "sglang": version, "vocab": vocab,
