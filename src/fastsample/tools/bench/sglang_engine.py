@@ -78,10 +78,10 @@ SETTINGS = ("T/k/p joint", "T/k/p rows differ", "top-p only", "penalties", "logp
 TARGETS = {("T/k/p joint", 64): 6.0, ("top-p only", 64): 30.0}
 B1_TARGET = 2.5  # every setting at B=1
 INSTALL_HINT = (
-    "bench --engine sglang needs SGLang 0.5.23 (pip install sglang==0.5.23; on a CPU-only "
-    "machine see /work/shared/engines/README.md or the README's SGLang section: torch CPU, "
-    "sglang --no-deps with its CPU requirements, the torchvision/sgl_kernel import stubs of "
-    "tests/sglang_plugin/stubs on PYTHONPATH, and SGLANG_USE_CPU_ENGINE=1)"
+    "bench --engine sglang needs SGLang 0.5.23: pip install sglang==0.5.23 (on a CPU-only "
+    "machine, the README's Tests section: torch 2.13.0, then sglang==0.5.23 --no-deps with "
+    ".ci/sglang-0.5.23-cpu-requirements.txt, and run with "
+    "PYTHONPATH=tests/sglang_plugin/stubs SGLANG_USE_CPU_ENGINE=1)"
 )
 
 
