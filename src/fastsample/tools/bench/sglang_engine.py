@@ -13,7 +13,9 @@ each called standalone on the same batches, as ``ModelRunner.sample`` calls its 
   ``init_parallel_runtime`` (one gloo process on a loopback port): ``Sampler.__init__`` reads
   the TP group, the deterministic and RL flags and the sampling backend from there. The
   pytorch backend is what SGLang uses on a CPU (it rewrites every ``--sampling-backend`` to
-  it); outside deterministic mode SGLang draws with ``torch.multinomial``.
+  it); outside deterministic mode SGLang draws with ``torch.multinomial``. Where every row
+  has a top-k, that path sorts only ``torch.topk(max_top_k)`` of each row; top-p alone sorts
+  the whole row.
 * **The batch, as SGLang builds it.** Each row is a real ``Req`` holding a real
   ``SamplingParams`` (its own normalisation applies: temperature 0 becomes ``top_k = 1``,
   ``top_k = -1`` the whole vocabulary), and ``SamplingBatchInfo.from_schedule_batch`` builds
