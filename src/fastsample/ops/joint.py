@@ -10,7 +10,9 @@ open pay one pass of ``exp`` over the row for the exact ``Z``.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -120,22 +122,26 @@ def host_mass_bounds(
 ) -> Callable[[int, float, float], tuple[float, float, Callable[[], float]]]:
     """For :mod:`.host_rows` (one or two rows, Python floats): ``bounds(b, cut_k,
     top_k_mass)`` gives row ``b``'s mass bounds (slack included, as in
-    :func:`joint_top_p_cut`) and a function computing its exact mass."""
-    vocab = logits.shape[1]
+    :func:`joint_top_p_cut`) and a function computing its exact mass.
+
+    Each row's block-maximum weights are sorted once (a few tensor ops); a bound is then a
+    bisection and two prefix sums in Python. The upper bound counts ``BLOCK`` entries in the
+    last block too (a bound still)."""
     shift = torch.tensor(peaks, dtype=torch.float32, device=logits.device)
     rows = []
     for b, divisor in enumerate(divisors):
-        out = torch.empty(maxima.shape[1], dtype=torch.float32, device=logits.device)
-        row = logit_weights_divided_(out[None], maxima[b : b + 1].float(), shift[b : b + 1],
-                                     divisor)  # fmt: skip
-        rows.append(row[0].tolist())
-    last = vocab - (maxima.shape[1] - 1) * BLOCK
+        out = torch.empty(1, maxima.shape[1], dtype=torch.float32, device=logits.device)
+        weights = logit_weights_divided_(out, maxima[b : b + 1].float(), shift[b : b + 1],
+                                         divisor)[0].sort().values  # fmt: skip
+        ascending = weights.tolist()
+        rows.append((ascending, list(accumulate(ascending, initial=0.0))))
 
     def bounds(b: int, cut_k: float, top_k_mass: float):
-        weights = rows[b]
-        low = top_k_mass + sum(w for w in weights if w < cut_k)
-        capped = [min(w, cut_k) for w in weights]
-        high = top_k_mass + BLOCK * sum(capped[:-1]) + last * capped[-1]
+        ascending, prefix = rows[b]
+        below = bisect_left(ascending, cut_k)  # block maxima < cut_k
+        tail = prefix[below]
+        low = top_k_mass + tail
+        high = top_k_mass + BLOCK * (tail + (len(ascending) - below) * cut_k)
 
         def exact() -> float:
             return float(row_mass(logits[b : b + 1], shift[b : b + 1], divisors[b])[0])

@@ -81,6 +81,30 @@ def _uniform(values: Tensor) -> float | None:
     return float(first) if bool((values == first).all()) else None
 
 
+_KEYED = (
+    "temperatures", "top_ks", "top_ps", "min_ps", "sampling_seed", "is_all_greedy",
+    "is_any_greedy", "need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling",
+)  # fmt: skip
+
+
+def cached_step_params(info: Any, batch: int, vocab: int, device: torch.device) -> StepParams:
+    """:func:`step_params`, kept on the batch's ``SamplingBatchInfo`` while its settings are
+    the same objects: SGLang reuses the info across decode steps and replaces its tensors
+    when the batch is filtered or merged (the cached key holds them, so their ids cannot be
+    reused meanwhile)."""
+    key = (batch, vocab, device, *(getattr(info, name) for name in _KEYED))
+    cached = getattr(info, "_fastsample_params", None)
+    if cached is not None and all(
+        a is b or (not isinstance(a, Tensor) and a == b)
+        for a, b in zip(cached[0], key, strict=True)
+    ):
+        return cached[1]
+    params = step_params(info, batch, vocab, device)
+    if info.sampling_seed is not None and info.sampling_seed.shape[0] == batch:
+        info._fastsample_params = (key, params)  # random per-step keys are never kept
+    return params
+
+
 def step_params(info: Any, batch: int, vocab: int, device: torch.device) -> StepParams:
     """fastsample's settings for an SGLang batch (see the module docstring, step 2)."""
     temperature = info.temperatures.reshape(-1).float()
@@ -167,7 +191,7 @@ class _FastsampleForward:
                             positions) -> Tensor:  # fmt: skip
         logits = self._preprocess_logits(logits_output.next_token_logits, info)
         batch, vocab = logits.shape
-        params = step_params(info, batch, vocab, logits.device)
+        params = cached_step_params(info, batch, vocab, logits.device)
         step = positions.reshape(-1).to(device=logits.device, dtype=torch.int64)
         out = sample_step(logits, params=params, step=step)
         next_ids = out.token_ids[:, 0].to(torch.int32)
