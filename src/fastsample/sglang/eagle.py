@@ -73,6 +73,7 @@ from torch import Tensor
 
 from ..stages import process_step
 from ..verify import TokenTree, verify_chain, verify_tree
+from .install import keys_are_ours
 from .state import count, warn_once
 
 __all__ = ["EAGLE_SAMPLE", "fastsample_eagle_sample", "install", "sglang_tree", "unsupported"]
@@ -159,7 +160,7 @@ def _sglang(original: Any, call: tuple, edited: bool) -> tuple[Tensor, Tensor, T
     verify_input, batch, logits_output, grammar_mask, max_top_k, watermark, full_mask = call
     info = batch.sampling_info
     saved: dict[str, Any] = {}
-    if getattr(info, "fastsample_own_seed", False):
+    if info.sampling_seed is not None and keys_are_ours():
         saved["sampling_seed"] = info.sampling_seed
     if edited:
         saved.update((name, getattr(info, name)) for name in _PREPROCESSING)

@@ -33,7 +33,7 @@ from ..sampling import fast_sample as fs_fast_sample
 from ..stages import StepParams, sample_step
 from .state import count, warn_once
 
-__all__ = ["fastsample_fast_sample", "sampler_class", "step_params"]
+__all__ = ["ParamsCache", "fastsample_fast_sample", "sampler_class", "step_params"]
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k (sampling_params.TOP_K_ALL)
 DRAFT_STREAM = 1
@@ -87,22 +87,30 @@ _KEYED = (
 )  # fmt: skip
 
 
-def cached_step_params(info: Any, batch: int, vocab: int, device: torch.device) -> StepParams:
-    """:func:`step_params`, kept on the batch's ``SamplingBatchInfo`` while its settings are
-    the same objects: SGLang reuses the info across decode steps and replaces its tensors
-    when the batch is filtered or merged (the cached key holds them, so their ids cannot be
-    reused meanwhile)."""
-    key = (batch, vocab, device, *(getattr(info, name) for name in _KEYED))
-    cached = getattr(info, "_fastsample_params", None)
-    if cached is not None and all(
-        a is b or (not isinstance(a, Tensor) and a == b)
-        for a, b in zip(cached[0], key, strict=True)
-    ):
-        return cached[1]
-    params = step_params(info, batch, vocab, device)
-    if info.sampling_seed is not None and info.sampling_seed.shape[0] == batch:
-        info._fastsample_params = (key, params)  # random per-step keys are never kept
-    return params
+class ParamsCache:
+    """The last batch's :func:`step_params`, reused while its settings are the same objects.
+
+    SGLang copies a batch's ``SamplingBatchInfo`` for every forward pass
+    (``copy_for_forward``: the same tensors in a new object) and replaces the tensors when
+    the batch is filtered or merged; the key holds them, so their ids cannot be reused while
+    cached."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.params: StepParams | None = None
+
+    def get(self, info: Any, batch: int, vocab: int, device: torch.device) -> StepParams:
+        key = (batch, vocab, device, *(getattr(info, name) for name in _KEYED))
+        if self.key is not None and all(
+            a is b or (not isinstance(a, Tensor) and a == b)
+            for a, b in zip(self.key, key, strict=True)
+        ):
+            assert self.params is not None
+            return self.params
+        params = step_params(info, batch, vocab, device)
+        if info.sampling_seed is not None and info.sampling_seed.shape[0] == batch:
+            self.key, self.params = key, params  # random per-step keys are never kept
+        return params
 
 
 def step_params(info: Any, batch: int, vocab: int, device: torch.device) -> StepParams:
@@ -174,8 +182,8 @@ class _FastsampleForward:
                         positions, logprob_logits) -> Tensor:  # fmt: skip
         """SGLang's own ``forward``, with the seeds it would have had (none outside
         deterministic mode: its seeded CPU path needs a kernel no CPU wheel ships)."""
-        own = getattr(info, "fastsample_own_seed", False)
         seeds = info.sampling_seed
+        own = seeds is not None and not self.enable_deterministic  # keys_are_ours()
         if own:
             info.sampling_seed = None
         try:
@@ -191,7 +199,8 @@ class _FastsampleForward:
                             positions) -> Tensor:  # fmt: skip
         logits = self._preprocess_logits(logits_output.next_token_logits, info)
         batch, vocab = logits.shape
-        params = cached_step_params(info, batch, vocab, logits.device)
+        cache = self.__dict__.setdefault("_fastsample_params", ParamsCache())
+        params = cache.get(info, batch, vocab, logits.device)
         step = positions.reshape(-1).to(device=logits.device, dtype=torch.int64)
         out = sample_step(logits, params=params, step=step)
         next_ids = out.token_ids[:, 0].to(torch.int32)
