@@ -402,16 +402,17 @@ _COMPILE = textwrap.dedent("""
 
     pointers = dict(t_ptr="*fp32", k_ptr="*i64", p_ptr="*fp32", m_ptr="*fp32", stream_ptr="*i64",
                     top_ids_ptr="*i64", top_logp_ptr="*fp32")
-    build(kc._controls_kernel, dict(
-        src_ptr="*bf16", src_stride="i32", n="i32", weights_ptr="*fp32", sums_ptr="*fp64",
-        num_blocks="i32", total_ptr="*fp64", valid_ptr="*i1", t_bits="i64", k_value="i32",
-        p_bits="i64", m_bits="i64", **pointers,
-    ), dict(
-        NUM_TOP=3, NORMALIZED=True, IS_LOGITS=True, IS_F64=False, NORMALIZE=True, T_MODE=2,
-        DIVIDE=True, K_MODE=2, P_MODE=1, M_MODE=2, CUT=1, GREEDY=True, STREAM_ROWS=True,
-        MIN_P_FIRST=True,
-        TILE=512, BLOCK=256, PRECISE=True,
-    ))
+    for min_p_first, p_on_row in ((True, False), (False, True)):  # cut orders vllm, joint
+        build(kc._controls_kernel, dict(
+            src_ptr="*bf16", src_stride="i32", n="i32", weights_ptr="*fp32", sums_ptr="*fp64",
+            num_blocks="i32", total_ptr="*fp64", valid_ptr="*i1", t_bits="i64", k_value="i32",
+            p_bits="i64", m_bits="i64", **pointers,
+        ), dict(
+            NUM_TOP=3, NORMALIZED=True, IS_LOGITS=True, IS_F64=False, NORMALIZE=True, T_MODE=2,
+            DIVIDE=True, K_MODE=2, P_MODE=1, M_MODE=2, CUT=1, GREEDY=True, STREAM_ROWS=True,
+            MIN_P_FIRST=min_p_first, P_ON_ROW=p_on_row,
+            TILE=512, BLOCK=256, PRECISE=True,
+        ))
     build(kg._greedy_kernel, dict(
         src_ptr="*fp32", src_stride="i32", n="i32", stream_ptr="*i64", ids_ptr="*i64",
         p_ptr="*fp32", logp_ptr="*fp32", valid_ptr="*i1",
@@ -431,7 +432,7 @@ _COMPILE = textwrap.dedent("""
     logits, temperature = torch.randn(4, 300), torch.rand(4)
     calls = {
         "controls": lambda x, t: controls_ops.controls_op(
-            x, True, t, 1.0, None, 40, None, 0.9, None, 0.0, None, 2, False, False
+            x, True, t, 1.0, None, 40, None, 0.9, None, 0.0, None, 2, False, "joint"
         ),
         "greedy": lambda x, t: controls_ops.greedy_op(x, True, None),
     }

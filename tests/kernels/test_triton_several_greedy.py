@@ -307,7 +307,7 @@ _COMPILE = textwrap.dedent("""
 
     def mixed(x, t, seed):
         controls = controls_ops.controls_op(
-            x, True, t, 1.0, None, 0, None, 0.9, None, 0.0, None, 0, False, False
+            x, True, t, 1.0, None, 0, None, 0.9, None, 0.0, None, 0, False, "transformers"
         )
         return controls_ops.several_op(x, True, 2, *controls[:4], t, seed, None, None, 0)
 
