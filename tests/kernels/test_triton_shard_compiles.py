@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent(
     STEP = dict(IS_LOGITS=True, NO_COPY=False, COLS=3, W0=10, WN=10, ROUNDS=3, T_SRC=2,
                 K_SRC=1, P_SRC=1, M_SRC=1, KPAD=64, ROWS=1, TILE=256, SLOTS_PAD=8,
                 PRECISE=True, HAS_KP=True, HAS_CUT=True, HIST_F64=False, ROUND=0, SHIFT=20,
-                WIDTH=10, OFFSET=0, F64=False, WEIGHTS=False)
+                WIDTH=10, OFFSET=0, F64=False, WEIGHTS=False, P_MASS=sc.P_ON_K,
+                P_SURVIVORS=True)
     CANDIDATES = dict(K_MODE=sc.CAND, P_MODE=sc.CAND, M_MODE=sc.MIN_NUMBER)
     RADIX = dict(K_MODE=sc.RADIX, P_MODE=sc.RADIX, M_MODE=sc.MIN_TENSOR, K_SRC=2, P_SRC=2,
                  M_SRC=2)
@@ -55,6 +56,14 @@ SCRIPT = textwrap.dedent(
         (sc._step_kernel, {**STEP, **CANDIDATES, "WEIGHTS": True, "STEP": sc.TOP}, False),
         # The merged candidates sorted, the candidate top-p cut, keep_at_least, slot sums.
         (sc._step_kernel, {**STEP, **CANDIDATES, "STEP": sc.APPLY}, False),
+        # cut_order="joint": the shard's mass (TIES), the candidate cut on the row's mass.
+        (sc._step_kernel, {**STEP, **CANDIDATES, "STEP": sc.TIES, "P_MASS": sc.P_ON_ROW,
+                           "P_SURVIVORS": False}, False),
+        (sc._step_kernel, {**STEP, **CANDIDATES, "STEP": sc.APPLY, "P_MASS": sc.P_ON_ROW,
+                           "P_SURVIVORS": False}, False),
+        # cut_order="vllm": a top-p radix round on the survivors of min-p and top-k.
+        (sc._step_kernel, {**STEP, **RADIX, "STEP": sc.HIST_P, "P_MASS": sc.P_ON_MIN_AND_K},
+         False),
         # A float64 radix round (float64 tl.dot) after the weights.
         (sc._step_kernel, {**STEP, **RADIX, "F64": True, "WEIGHTS": True, "STEP": sc.HIST_K,
                            "ROUND": 1, "SHIFT": 45, "WIDTH": 9, "OFFSET": 256, "W0": 8,
@@ -82,4 +91,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.sm90_compile
 def test_shard_kernels_compile_for_sm90():
-    assert run_compiled(SCRIPT).count("compiled") == 8
+    assert run_compiled(SCRIPT).count("compiled") == 11

@@ -16,7 +16,9 @@ vocabulary, and each of them combines across shards:
   ``top_k <= 1024`` the global k largest weights are among the union of each shard's k largest,
   so one all-gather of ``(B, k)`` candidates gives the exact k-th largest (ties counted); the
   top-p cut then needs the survivors' mass: the candidates above the cut plus the ties at it,
-  counted on every shard (one ``(B,)`` all-reduce). Otherwise (tensor ``top_k``/``top_p``,
+  counted on every shard (one ``(B,)`` all-reduce; with ``cut_order="vllm"`` the cut is
+  ``max(cut_k, cut_min)``, and with ``cut_order="joint"`` the mass is the whole row's, each
+  shard's sum in that all-reduce). Otherwise (tensor ``top_k``/``top_p``,
   larger ``k``) the radix selection of :mod:`fastsample.ops.select` runs across shards: its
   per-round histograms of bit-pattern digits are additive, so a SUM all-reduce of each round's
   ``(B, 1024)`` histogram gives every rank the global histogram and the same digit; three rounds
@@ -39,7 +41,8 @@ scan is computed by the same ops on the same values: the tokens, probabilities a
 log-probabilities are bitwise those of :func:`fastsample.sample` with the same seeds and
 steps. One exception: a radix top-p cut compares float32 bucket masses that the shards
 accumulate in another order, so the kept set can differ when ``top_p * mass`` lies within
-float32 rounding (~1e-7 relative) of a cumulative mass. (``probs`` with a temperature are
+float32 rounding (~1e-7 relative) of a cumulative mass (so can a candidate top-p cut in the
+joint order, whose whole-row mass is summed in another order). (``probs`` with a temperature are
 raised to ``1/T`` as ``exp(log(p) / T)``, not with ``pow``, whose CPU kernel rounds an entry
 by its position in the vector loop; see :mod:`fastsample.ops.weights`.) With
 unaligned shards (or a vocabulary past ~262k entries, where slots of ``256 * m`` entries keep
@@ -59,7 +62,7 @@ max, validity, greedy (always)         all-gather float64              2 (+1 gre
 top-k, Python ``k <= 1024``            all-gather                      k
 top-k otherwise                        3 x all-reduce SUM float32      1024
                                        (7 for float64 input)
-top-p after candidate top-k, Python p  all-reduce SUM float64         1 (ties at cut_k)
+top-p after candidate top-k, Python p  all-reduce SUM float64         1 (ties, or the mass)
 top-p otherwise                        3 x all-reduce SUM (7)          1024
 draw: slot masses                      all-reduce SUM                  S <= 1024
 draw: each of the n draws              all-reduce MAX float64          3 (2 for the last)

@@ -55,6 +55,7 @@ def check_call(
     seed: object,
     step: object,
     stream: object,
+    cut_order: object = "transformers",
 ) -> Call:
     """Every argument check, on this rank's arguments only; raises before any work."""
     source = check_source(logits, probs)
@@ -68,7 +69,7 @@ def check_call(
             f"this rank's shard [vocab_start, vocab_start + V_local) = [{start}, {start + local}) "
             f"must lie inside the vocabulary [0, {vocab})"
         )
-    checked = check_controls(*controls, batch, vocab, source.device)
+    checked = check_controls(*controls, batch, vocab, source.device, cut_order)
     n = v.check_num_samples(num_samples, vocab)
     uniforms = make_source(None, seed, step, stream, batch, source.device)
     layout = make_layout(start, local, vocab, comm.rank, comm.world)
@@ -100,6 +101,7 @@ _FIELDS = (
     "top_k",
     "top_p",
     "min_p",
+    "cut_order",
     "seed/step/stream",
 )
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -143,6 +145,7 @@ def _meta_row(call: Call | None, error: str | None, randomness: tuple[object, ..
         0 if call.logits is not None else 1,
         _DTYPE_CODES[call.source.dtype],
         *(_fingerprint([ctl]) for ctl in (c.temperature, c.top_k, c.top_p, c.min_p)),
+        v.CUT_ORDERS.index(c.cut_order),
         _fingerprint(list(randomness)),
     ]
 

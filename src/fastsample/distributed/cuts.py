@@ -2,7 +2,10 @@
 
 A Python ``top_k <= CANDIDATE_MAX_K`` merges every shard's k largest weights (one all-gather);
 otherwise the radix selection runs across shards, one SUM all-reduce of each round's digit
-histogram (histograms are additive over shards). Min-p needs no communication.
+histogram (histograms are additive over shards). Min-p needs no communication. Top-p's mass
+is that of the cuts before it (``cut_order``): the top-k survivors', min-p's and top-k's
+(``"vllm"``), or the whole row's (``"joint"``); after a candidate top-k one SUM all-reduce of
+a ``(B,)`` float64 gives it (the ties at the floor, or in the joint order each shard's mass).
 """
 
 from __future__ import annotations
@@ -83,22 +86,37 @@ def global_cut(comm: Comm, buffer: Tensor, call: Call, maxima: Tensor) -> Tensor
         k_rows = as_rows(k, batch, f64)
         cut = _radix_threshold(comm, buffer, k_rows, "count", layout)
         cut = torch.where((k_rows > 0) & (k_rows < layout.vocab), cut, 0.0)
+    cut_min = None
+    if controls.min_p is not None:
+        # Relative to the global maximum, which is 1 after the shift by the global maximum.
+        cut_min = as_rows(controls.min_p, batch, f64).to(weights.dtype)
     if controls.top_p is not None:
+        # Top-p's mass: the survivors of the cuts before it, all thresholds (the floor).
+        whole = controls.top_p_on_whole_row
+        floor = None if whole else cut
+        if controls.min_p_first:
+            assert cut_min is not None
+            floor = cut_min if floor is None else torch.maximum(floor, cut_min)
         if candidates is not None and isinstance(controls.top_p, float):
             assert cut is not None
-            # The survivors' mass as one process sums it: every survivor above cut_k is a
-            # (merged) candidate, the rest are ties at cut_k, counted on every shard.
-            ties = comm.all_reduce(count_equal(buffer, cut), "sum")
-            cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, ties)
+            if whole:  # the whole row's mass: every shard's, in one SUM
+                mass = comm.all_reduce(weights.sum(-1, dtype=torch.float64), "sum")
+                cut_p = top_p_cut_from_candidates(candidates, cut, controls.top_p, mass, mass=mass)
+            else:
+                # The survivors' mass as one process sums it: every survivor above the floor
+                # is a (merged) candidate, the rest are ties at it, counted on every shard.
+                assert floor is not None
+                ties = comm.all_reduce(count_equal(buffer, floor), "sum")
+                cut_p = top_p_cut_from_candidates(candidates, floor, controls.top_p, ties)
         else:
-            # Radix on the top-k survivors: above cut_k their upper sets are the weights' own.
-            survivors = buffer if cut is None else torch.where(buffer >= cut[:, None], buffer, 0)
+            # Radix on the survivors: above the floor their upper sets are the weights' own.
+            survivors = buffer
+            if floor is not None:
+                survivors = torch.where(buffer >= floor[:, None], buffer, 0)
             p = as_rows(controls.top_p, batch, f64)
             cut_p = _radix_threshold(comm, survivors, p, "share", layout)
             cut_p = torch.where(p < 1, cut_p, 0.0)
         cut = cut_p if cut is None else torch.maximum(cut, cut_p)
-    if controls.min_p is not None:
-        # Relative to the global maximum, which is 1 after the shift by the global maximum.
-        cut_min = as_rows(controls.min_p, batch, f64).to(weights.dtype)
+    if cut_min is not None:
         cut = cut_min if cut is None else torch.maximum(cut, cut_min)
     return cut

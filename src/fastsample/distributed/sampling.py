@@ -41,6 +41,7 @@ def sample(
     top_k: int | Tensor | None = None,
     top_p: float | Tensor | None = None,
     min_p: float | Tensor | None = None,
+    cut_order: str = "transformers",
     num_samples: int = 1,
     seed: int | Tensor | None = None,
     step: int | Tensor | None = None,
@@ -57,7 +58,7 @@ def sample(
     Math: as :func:`fastsample.sample` on the concatenated vocabulary. Weights
     ``w = exp((x - max x) / T)`` with the *global* row maximum (``(p / max p)^(1/T)`` for
     ``probs``), kept where ``w >= max(cut_k, cut_p, cut_min)`` (top-k with ties kept, top-p on
-    the top-k survivors renormalized, min-p relative to the global maximum), then
+    the mass ``cut_order`` names, min-p relative to the global maximum), then
     ``num_samples`` ordered draws without replacement; ``T == 0`` is greedy (the first global
     index among the maximal entries). How each step combines across shards, what it sends and
     when the result is bitwise the single-process one: see :mod:`fastsample.distributed`.
@@ -71,6 +72,9 @@ def sample(
         group: the process group (default: the world group).
         temperature, top_k, top_p, min_p: as in :func:`fastsample.sample` (Python numbers or
             ``(B,)`` tensors); must be the same on every rank.
+        cut_order: as in :func:`fastsample.sample`: top-p's mass is that of the top-k
+            survivors (``"transformers"``), of min-p's and top-k's (``"vllm"``) or of the
+            whole row (``"joint"``), over every shard.
         num_samples: ``n``, ``1 <= n <= V``.
         seed, step, stream: counter-based per-request randomness, as in
             :func:`fastsample.sample`: identical on every rank by construction, and the same
@@ -105,14 +109,14 @@ def sample(
         call: Call | None = None
         error: str | None = None
         try:
-            call = check_call(comm, *args, num_samples, seed, step, stream)
+            call = check_call(comm, *args, num_samples, seed, step, stream, cut_order)
             error = local_value_error(call)
         except (TypeError, ValueError) as e:
             error = str(e)
         agree(comm, call, error, (seed, step, stream), logits if logits is not None else probs)
         assert call is not None
     else:
-        call = check_call(comm, *args, num_samples, seed, step, stream)
+        call = check_call(comm, *args, num_samples, seed, step, stream, cut_order)
     # Sampling is not differentiable: values only, once, after the checks.
     x = v.detached(call.source)
     is_logits = call.logits is not None

@@ -29,7 +29,8 @@ path's, :mod:`fastsample.distributed.sampling`, step for step):
    ids for ``n`` draws, for greedy rows; unseeded, rank ``r``'s ``n`` generator draws);
 2. the cut steps of :mod:`fastsample.kernels.shard_cuts` (the first one also computes the
    weights): the candidates (all-gather), the radix rounds of top-k then top-p (SUM of each
-   round's histogram), the ties at the candidate ``cut_k`` (SUM);
+   round's histogram), the ties at the candidate ``cut_k`` (SUM; with ``cut_order="vllm"``
+   at ``max(cut_k, cut_min)``, with ``"joint"`` each shard's mass instead);
 3. ``APPLY`` (the weights too, when no cut needs a collective): the final cut, the kept
    weights and the slot masses -> all-reduce SUM ``(B, slots)``;
 4. ``draw_record`` of draw ``k`` -> all-reduce MAX ``(B, 4)`` int64 (5 words with several
@@ -95,10 +96,10 @@ def covered(call: Call) -> bool:
     )
 
 
-def plan(call: Call) -> tuple[int, int, int, list[tuple[int, int]]]:
-    """``(k_mode, p_mode, m_mode, steps)``: how each cut is taken and the ``(step, round)``
-    launches of a :func:`covered` call, each followed by one collective (the last, APPLY,
-    by the slot masses' SUM)."""
+def plan(call: Call) -> tuple[int, int, int, int, list[tuple[int, int]]]:
+    """``(k_mode, p_mode, m_mode, p_mass, steps)``: how each cut is taken, which mass top-p
+    takes (the cut order), and the ``(step, round)`` launches of a :func:`covered` call, each
+    followed by one collective (the last, APPLY, by the slot masses' SUM)."""
     from ..kernels import shard_cuts as sc
 
     c = call.controls
@@ -118,6 +119,11 @@ def plan(call: Call) -> tuple[int, int, int, list[tuple[int, int]]]:
         m_mode = sc.PLAIN  # as one process: w > pred(min_p), no division
     else:
         m_mode = sc.MIN_NUMBER
+    p_mass = sc.P_ON_K
+    if c.min_p_first:
+        p_mass = sc.P_ON_MIN_AND_K
+    elif c.top_p_on_whole_row:
+        p_mass = sc.P_ON_ROW
     rounds = range(sc.WIDTHS[dtype][2])
     steps: list[tuple[int, int]] = []
     if k_mode == sc.CAND:
@@ -129,7 +135,7 @@ def plan(call: Call) -> tuple[int, int, int, list[tuple[int, int]]]:
     elif p_mode == sc.RADIX:
         steps += [(sc.HIST_P, r) for r in rounds]
     steps.append((sc.APPLY, 0))
-    return k_mode, p_mode, m_mode, steps
+    return k_mode, p_mode, m_mode, p_mass, steps
 
 
 def sample_round(comm: Comm, call: Call) -> SampleOutput:
@@ -141,7 +147,7 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
     batch = x.shape[0]
     is_logits = call.logits is not None
     dtype = compute_dtype(x.dtype)
-    k_mode, p_mode, m_mode, steps = plan(call)
+    k_mode, p_mode, m_mode, p_mass, steps = plan(call)
     controls = (c.temperature, c.top_k, c.top_p, c.min_p)
     tensors = [v if isinstance(v, Tensor) else None for v in controls]
     greedy = tensors[0] is not None  # rows with T == 0 are greedy
@@ -177,7 +183,7 @@ def sample_round(comm: Comm, call: Call) -> SampleOutput:
     ties = x.new_empty((batch if p_mode == sc.CAND else 0,), dtype=torch.float64)
     merged = candidates
     for i, (kind, r) in enumerate(steps):
-        how = [int(is_logits), int(no_copy), int(i == 0), kind, r, k_mode, p_mode, m_mode]
+        how = [int(is_logits), int(no_copy), int(i == 0), kind, r, k_mode, p_mode, m_mode, p_mass]
         shard.step_op(
             x, table, weights, sums, candidates, merged, hists_k, hists_p, ties,
             tensors[0], numbers[0], tensors[1], numbers[1], tensors[2], numbers[2],

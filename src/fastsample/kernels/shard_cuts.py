@@ -12,9 +12,12 @@ known so far, and writes the payload of the next collective:
   compacted, the rest of the ``k`` slots ``t``; a shard with fewer than ``k`` entries pads
   with 0). All-gathered;
 * ``HIST_K`` / ``HIST_P``: one radix round's ``(B, 2**width)`` histogram of counts (top-k) or
-  masses (top-p, of the top-k survivors ``w >= cut_k``) over the digit after the prefix chosen
-  so far, float32 (float64 for float64 weights or ``vocab >= 2**24``). Summed;
-* ``TIES``: ``(B,)`` float64 count of the weights equal to the candidate ``cut_k``. Summed;
+  masses (top-p, of the survivors ``w >= floor`` of the cuts before it: top-k's ``cut_k``,
+  with ``cut_order="vllm"`` ``max(cut_k, cut_min)``, with ``"joint"`` none) over the digit
+  after the prefix chosen so far, float32 (float64 for float64 weights or
+  ``vocab >= 2**24``). Summed;
+* ``TIES``: ``(B,)`` float64 count of the weights equal to that floor after a candidate top-k
+  (in the joint order the shard's float64 mass instead: top-p's is the whole row's). Summed;
 * ``APPLY``: the final cut ``max(cut_k, cut_p, cut_min)`` applied as
   :func:`fastsample.ops.cuts.keep_at_least` (``fl(w / s)`` zeroed below 1,
   ``s = max(cut, floor)``), or a Python min-p alone on logits as ``w > pred(min_p)``
@@ -32,7 +35,8 @@ global histogram is one level (the torch path takes two); counts are exact integ
 digit and the top-k cut are bitwise the torch path's; bucket masses are float sums in another
 order, so a radix top-p cut may differ where ``top_p`` times the mass lies within float32
 rounding of a cumulative mass, as the torch path's own docstring allows. The candidate
-top-p cut is the torch path's float64 running sum over the sorted merged candidates, bitwise.
+top-p cut is the torch path's float64 running sum over the sorted merged candidates, bitwise
+(in the joint order the row's mass is a float64 sum in another order: the same exception).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ CAND, RADIX = 1, 2
 # Min-p: a Python number alone on logits is the unscaled ``w > pred(min_p)`` (PLAIN); else a
 # cut like the others (MIN_NUMBER, MIN_TENSOR).
 PLAIN, MIN_NUMBER, MIN_TENSOR = 1, 2, 3
+# Which mass top-p takes (the cut order): the top-k survivors', min-p's and top-k's ("vllm"),
+# the whole row's ("joint").
+P_ON_K, P_ON_MIN_AND_K, P_ON_ROW = 0, 1, 2
 # What a launch produces.
 APPLY, TOP, HIST_K, TIES, HIST_P = 0, 1, 2, 3, 4
 STEP_NAMES = {APPLY: "apply", TOP: "top", HIST_K: "hist_k", TIES: "ties", HIST_P: "hist_p"}
@@ -68,6 +75,7 @@ _CAND, _RADIX = tl.constexpr(CAND), tl.constexpr(RADIX)
 _PLAIN, _MIN_NUMBER = tl.constexpr(PLAIN), tl.constexpr(MIN_NUMBER)
 _APPLY, _TOP, _HIST_K = tl.constexpr(APPLY), tl.constexpr(TOP), tl.constexpr(HIST_K)
 _TIES, _HIST_P = tl.constexpr(TIES), tl.constexpr(HIST_P)
+_P_ON_MIN_AND_K, _P_ON_ROW = tl.constexpr(P_ON_MIN_AND_K), tl.constexpr(P_ON_ROW)
 _RANK_SORT = tl.constexpr(INTERPRETED)  # see _merged
 
 
@@ -293,12 +301,18 @@ def _merged(merged_ptr, rows, live, batch, world, k, KPAD: tl.constexpr,
 
 
 @triton.jit
-def _candidate_top_p(merged, cut_k, ties, p, k, KPAD: tl.constexpr):
-    """As :func:`fastsample.ops.cuts.top_p_cut_from_candidates` on the first ``k``."""
+def _candidate_top_p(merged, cut_k, ties, p, k, KPAD: tl.constexpr, MASS: tl.constexpr):
+    """As :func:`fastsample.ops.cuts.top_p_cut_from_candidates` on the first ``k``; with
+    ``MASS`` the row's mass is ``ties`` (its ``mass=`` argument)."""
     j = tl.arange(0, KPAD)[None, :]
     above = tl.where((j < k) & (merged > cut_k[:, None]), merged.to(tl.float64), 0.0)
     running = tl.associative_scan(above, 1, _ADD)
-    mass = tl.reduce(tl.where(j == KPAD - 1, running, 0.0), 1, _ADD) + ties * cut_k.to(tl.float64)
+    if MASS:
+        mass = ties
+    else:
+        mass = tl.reduce(tl.where(j == KPAD - 1, running, 0.0), 1, _ADD) + ties * cut_k.to(
+            tl.float64
+        )
     target = p * mass
     reached = (running >= target[:, None]) & (j < k)
     first = tl.reduce(tl.where(reached, j, KPAD), 1, _SMALLER)
@@ -338,6 +352,7 @@ def _step_kernel(
     M_SRC: tl.constexpr, K_MODE: tl.constexpr, P_MODE: tl.constexpr, M_MODE: tl.constexpr,
     HAS_KP: tl.constexpr, HAS_CUT: tl.constexpr, HIST_F64: tl.constexpr, KPAD: tl.constexpr,
     ROWS: tl.constexpr, TILE: tl.constexpr, SLOTS_PAD: tl.constexpr, PRECISE: tl.constexpr,
+    P_MASS: tl.constexpr, P_SURVIVORS: tl.constexpr,
 ):  # fmt: skip
     FLOAT: tl.constexpr = tl.float64 if F64 else tl.float32
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -400,6 +415,12 @@ def _step_kernel(
             prefix_k, _ = _radix_prefix(hists_k_ptr, rows, live, batch, k, ROUNDS, W0, WN, False)
             cut_k = tl.where((k > 0) & (k < vocab), _as_cut(prefix_k, F64), 0.0)
 
+    # Top-p's floor: the cuts before it (top-k; min-p too in the "vllm" order). In the joint
+    # order the candidates' cut_k, with the whole row's mass (TIES) and no survivors' radix.
+    floor_p = cut_k
+    if P_MASS == _P_ON_MIN_AND_K:
+        floor_p = tl.maximum(cut_k, control(m_ptr, m_sb, m_bits, rows, live, M_SRC).to(FLOAT))
+
     if STEP == _TOP:
         _local_top(w_ptr, cand_ptr, rows, live, width, k_static, W0, WN, ROUNDS, KPAD, F64,
                    ROWS, TILE)  # fmt: skip
@@ -413,14 +434,17 @@ def _step_kernel(
             columns = start + offsets
             inside = live[:, None] & (columns < width)
             w = tl.load(w_ptr + rows[:, None] * width + columns, mask=inside, other=0.0)
-            ties += tl.reduce((inside & (w == cut_k[:, None])).to(tl.float64), 1, _ADD)
+            if P_MASS == _P_ON_ROW:  # the shard's mass (float64 sum of its weights)
+                ties += tl.reduce(w.to(tl.float64), 1, _ADD)
+            else:
+                ties += tl.reduce((inside & (w == floor_p[:, None])).to(tl.float64), 1, _ADD)
         tl.store(ties_ptr + rows, ties, mask=live)
     if P_MODE == _RADIX:
         p = control(p_ptr, p_sb, p_bits, rows, live, P_SRC)
         if STEP == _HIST_P:
             prefix_p, _ = _radix_prefix(hists_p_ptr, rows, live, batch, p, ROUND, W0, WN, True)
-            hist = _round_hist(w_ptr, rows, live, width, prefix_p, cut_k, SHIFT, WIDTH, True,
-                               K_MODE != 0, F64, HIST_F64, ROWS, TILE)  # fmt: skip
+            hist = _round_hist(w_ptr, rows, live, width, prefix_p, floor_p, SHIFT, WIDTH, True,
+                               P_SURVIVORS, F64, HIST_F64, ROWS, TILE)  # fmt: skip
             _store_hist(hists_p_ptr, hist, rows, live, batch, OFFSET, WIDTH)
         if STEP == _APPLY:
             prefix_p, _ = _radix_prefix(hists_p_ptr, rows, live, batch, p, ROUNDS, W0, WN, True)
@@ -429,7 +453,8 @@ def _step_kernel(
         if P_MODE == _CAND:
             ties = tl.load(ties_ptr + rows, mask=live, other=0.0)
             p = control(p_ptr, 0, p_bits, rows, live, P_SRC)
-            cut_p = _candidate_top_p(merged, cut_k, ties, p, k_static, KPAD)
+            cut_p = _candidate_top_p(merged, floor_p, ties, p, k_static, KPAD,
+                                     P_MASS == _P_ON_ROW)  # fmt: skip
         cut = cut_k
         if P_MODE != 0:
             if K_MODE != 0:  # noqa: SIM108 (constexpr branches)
@@ -496,10 +521,11 @@ def step(
     module docstring). ``controls`` is ``(T, k, p, min_p)`` (a Python ``T`` already floored,
     a PLAIN ``min_p`` already its predecessor); ``sizes`` is ``(local, width, head, first,
     owned, grid, rank, slots, vocab, k)`` with 256-entry grid slots; ``plan`` is
-    ``(is_logits, no_copy, weights, step, round, k_mode, p_mode, m_mode)``. Writes the step's
+    ``(is_logits, no_copy, weights, step, round, k_mode, p_mode, m_mode, p_mass)``
+    (``p_mass``: :data:`P_ON_K`, :data:`P_ON_MIN_AND_K` or :data:`P_ON_ROW`). Writes the step's
     outputs in place: ``weights`` and ``sums`` (APPLY), ``candidates`` (TOP), round
     ``round`` of ``hists_k``/``hists_p`` (HIST_K/HIST_P), ``ties`` (TIES)."""
-    is_logits, no_copy, first_launch, kind, r, k_mode, p_mode, m_mode = plan
+    is_logits, no_copy, first_launch, kind, r, k_mode, p_mode, m_mode, p_mass = plan
     local, width, head, first, owned, grid, rank, slots, vocab, k_static = sizes
     batch = x.shape[0]
     dtype = weights.dtype
@@ -531,5 +557,6 @@ def step(
         HAS_KP=bool(k_mode or p_mode), HAS_CUT=bool(k_mode or p_mode or m_mode >= MIN_NUMBER),
         HIST_F64=hists_k.dtype == torch.float64 or hists_p.dtype == torch.float64,
         KPAD=kpad, ROWS=rows, TILE=launch.SUM_BLOCK, SLOTS_PAD=slots_pad,
-        PRECISE=not INTERPRETED and libdevice is not None,
+        PRECISE=not INTERPRETED and libdevice is not None, P_MASS=p_mass,
+        P_SURVIVORS=bool((k_mode and p_mass != P_ON_ROW) or p_mass == P_ON_MIN_AND_K),
     )  # fmt: skip
