@@ -16,7 +16,8 @@ Semantics, applied in this order (the README has the same list):
    survivors' mass (the smallest most-likely set reaching ``top_p``, ties kept). Off: 1.
 4. min-p: keep the entries ``>= min_p`` times the largest weight. Off: 0. With
    ``cut_order="vllm"`` min-p comes first instead, so top-p's mass is that of the tokens
-   surviving min-p and top-k (vLLM's order).
+   surviving min-p and top-k (vLLM's order); with ``cut_order="joint"`` top-p's mass is the
+   whole row's, as top-k's (SGLang's and FlashInfer's joint order).
 
 All cuts are thresholds on the same float32 weights (float64 for float64 input), so the kept
 set is ``{i : w_i >= max(cut_k, cut_p, cut_min)}`` and every cut is exact on those weights
@@ -124,15 +125,16 @@ def process(
 
     Math: with weights ``w = exp((x - max x) / T)`` (``(p / max p)^(1/T)`` for
     ``probs``), keep ``w_i >= max(cut_k, cut_p, cut_min)`` (top-k, then top-p on the
-    top-k survivors renormalized, then min-p; see :mod:`fastsample.controls`) and divide
-    by the kept mass. Greedy rows (``T == 0``) are one-hot at the first maximal index.
+    top-k survivors renormalized, then min-p, in the default ``cut_order``; see
+    :mod:`fastsample.controls`) and divide by the kept mass. Greedy rows (``T == 0``) are
+    one-hot at the first maximal index.
 
     Args:
         logits, probs: exactly one, ``(B, V)`` float16/bfloat16/float32/float64.
         temperature, top_k, top_p, min_p: Python numbers or ``(B,)`` tensors (same rules as
             :func:`fastsample.sample`).
-        cut_order: ``"transformers"`` or ``"vllm"`` (min-p first), as in
-            :func:`fastsample.sample`.
+        cut_order: ``"transformers"``, ``"vllm"`` (min-p first) or ``"joint"`` (top-p on
+            the whole row), as in :func:`fastsample.sample`.
 
     Returns:
         ``(B, V)`` float32 (float64 for float64 input), rows summing to 1. Invalid rows

@@ -237,7 +237,10 @@ def sample(
     3. ``cut_min = min_p * max w``.
 
     ``cut_order="vllm"`` applies min-p first, as vLLM does: top-p's mass is then that of the
-    tokens surviving both min-p and top-k (the kept set is still ``w >= max`` of the cuts).
+    tokens surviving both min-p and top-k. ``cut_order="joint"`` takes top-p, like top-k, on
+    the whole row (its mass is the whole row's; the kept sets are intersected), min-p after,
+    as SGLang and FlashInfer's joint order do. In every order the kept set is ``w >= max`` of
+    the cuts.
 
     Then ``num_samples`` ordered draws without replacement (blocked inverse CDF, one 53-bit
     uniform per row per draw). ``T == 0`` is greedy: the first index among the maximal
@@ -266,8 +269,9 @@ def sample(
         top_logprobs: ``N >= 0``: also return the N most likely tokens of the processed
             distribution and their log-probabilities.
         cut_order: ``"transformers"`` (default: min-p after top-k and top-p, Hugging Face's
-            order) or ``"vllm"`` (min-p before them); the same unless top-p and min-p are
-            both on.
+            order), ``"vllm"`` (min-p before them; differs only with top-p and min-p on) or
+            ``"joint"`` (top-p on the whole row's mass; differs only with top-k and top-p
+            on).
         check: if True, first read the values on the host and raise naming the first bad
             row or control value (this syncs).
 

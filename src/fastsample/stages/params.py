@@ -52,7 +52,8 @@ class StepParams:
     Args:
         batch, vocab: the logits' ``(B, V)``.
         device: the logits' device (default CPU); tensors given here must live there.
-        temperature, top_k, top_p, min_p, cut_order: as in :func:`fastsample.sample`.
+        temperature, top_k, top_p, min_p, cut_order: as in :func:`fastsample.sample`
+            (``cut_order``: ``"transformers"``, ``"vllm"`` or ``"joint"``).
         num_samples: draws without replacement per row.
         seed, stream: per-request counter-based randomness (Python ints or ``(B,)`` int64);
             the step counter is given per call. None: a ``torch.Generator`` per call.
