@@ -15,7 +15,9 @@ uneven shards:
   the same draws checked against another order's reference fail (negative control);
 * on aligned shards the torch path's outputs are bitwise one process's (``fastsample.sample``
   with the same seeds and order); the Triton round's tokens and validity are the torch
-  path's, probabilities to 1e-6.
+  path's, probabilities to 1e-6;
+* each call costs as many collectives (and, on the Triton round, launches: one per
+  collective) as the same call in the default order.
 
 Law (world 2, torch path): the joint law row of tests/test_cut_order.py, the token the orders
 disagree on on another shard than the top two, 1,157,000 draws with Python controls (the
@@ -134,9 +136,18 @@ def calls(layout: str, order: str, form: str, rows: int):
         yield expanded(xs[r]), controls, seeds(r)
 
 
-def scenario_orders(rank: int, world: int, backends) -> dict:
+def measured(x: torch.Tensor, args: dict):
+    """One call's output and cost: (collectives, kernel launches)."""
     from fastsample import distributed as fsd
+    from launch_budget import device_work
 
+    found = []
+    with fsd.record_traffic() as traffic:
+        _, _, launches = device_work(lambda: found.append(fsd.sample(x, **args)))
+    return found[0], (traffic.count, launches)
+
+
+def scenario_orders(rank: int, world: int, backends) -> dict:
     out = {}
     for backend in backends:
         os.environ["FASTSAMPLE_BACKEND"] = backend
@@ -146,9 +157,14 @@ def scenario_orders(rank: int, world: int, backends) -> dict:
                 for form in FORMS:
                     got = []
                     for x, controls, seed in calls(layout, order, form, ROWS[backend]):
-                        o = fsd.sample(shard(x, span), vocab_start=span[0], vocab_size=vocab,
-                                       cut_order=order, seed=seed, **controls)  # fmt: skip
-                        got.append(tuple(t.clone() for t in o[:4]))
+                        args = dict(vocab_start=span[0], vocab_size=vocab, cut_order=order,
+                                    seed=seed, **controls)  # fmt: skip
+                        o, cost = measured(shard(x, span), args)
+                        got.append(o[:4])
+                    # The last call's cost, and the same call's in the default order.
+                    args["cut_order"] = "transformers"
+                    default = measured(shard(x, span), args)[1]
+                    out["cost", backend, layout, order, form] = (cost, default)
                     out[backend, layout, order, form] = joined(got)
     os.environ["FASTSAMPLE_BACKEND"] = "torch"
     return out
@@ -313,6 +329,18 @@ def test_triton_round_draws_the_torch_paths_tokens(group):
                 assert torch.equal(ours[0], theirs[0][:rows]), (layout, order, form)
                 assert torch.equal(ours[2], theirs[2][:rows]), (layout, order, form)
                 torch.testing.assert_close(ours[1], theirs[1][:rows], rtol=1e-6, atol=0)
+
+
+def test_the_orders_cost_the_same_collectives_and_launches(group):
+    """The order changes what the collectives carry, not how many there are (nor, on the
+    Triton round, the launches: one per collective)."""
+    world, got = group
+    for key in cases(backends_for(world)):
+        cost, default = got[0]["orders"][("cost", *key)]
+        assert cost == default, key
+        if key[0] == "triton":
+            collectives, launches = cost
+            assert launches == collectives, key
 
 
 def test_joint_law_across_shards_and_its_negative_control(group):
