@@ -4,7 +4,9 @@
   whole row's mass) equals the float64 reference, as the torch ops do in
   tests/test_cut_order.py; in the joint order with tensor controls and with Python numbers
   (the kernel's two modes), its draws are the torch path's tokens with the same counters, and
-  their law is the joint order's, the sequential order's rejected at the same size;
+  their law is the joint order's, the sequential order's rejected at the same size; every
+  order costs the same device work (one controls kernel); verification and the engine step
+  process their targets in the joint order too (tests/kernels/test_triton_stages.py);
 * an out-of-range tensor control flags its row at any temperature, a Python 0 included
   (tests/test_bad_values.py).
 """
@@ -49,6 +51,22 @@ def test_joint_order_with_python_numbers_matches_the_reference():
                          top_p=p, min_p=m, cut_order="joint")  # fmt: skip
         want = reference_probs(x, t, k, p, m, cut_order="joint")[None]
         test_cut_order.assert_matches_reference(got, want, f"triton joint {t, k, p, m}")
+
+
+@pytest.mark.parametrize("call", ["sample", "process"])
+def test_every_order_costs_the_same_device_work(call):
+    """The order is a constant of the one controls kernel: no launch or op added."""
+    import fastsample as fs
+    from launch_budget import device_work
+
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))
+    args = dict(temperature=0.8, top_k=20, top_p=torch.full((4,), 0.9), min_p=0.02)
+    if call == "sample":
+        args["seed"] = 1
+    work = {order: device_work(lambda o=order: getattr(fs, call)(x, cut_order=o, **args))
+            for order in test_cut_order.ORDERS}  # fmt: skip
+    totals = {(total, launches) for total, _, launches in work.values()}
+    assert len(totals) == 1, work
 
 
 # Draws from the kernel's joint-order weights against the torch path's with the same counters.
