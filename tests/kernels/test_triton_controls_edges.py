@@ -5,8 +5,8 @@
   tests/test_cut_order.py; in the joint order with tensor controls and with Python numbers
   (the kernel's two modes), its draws are the torch path's tokens with the same counters, and
   their law is the joint order's, the sequential order's rejected at the same size; every
-  order costs the same device work (one controls kernel); verification and the engine step
-  process their targets in the joint order too (tests/kernels/test_triton_stages.py);
+  order costs the same device work (one controls kernel); verification from target logits
+  (here) and the engine step (tests/kernels/test_triton_stages.py) take the joint order too;
 * an out-of-range tensor control flags its row at any temperature, a Python 0 included
   (tests/test_bad_values.py).
 """
