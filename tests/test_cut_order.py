@@ -200,40 +200,50 @@ def test_joint_order_law_and_its_negative_control(controls_as):
     assert law_rejected(counts, joint_law("transformers"))  # the sequential order
 
 
-def test_joint_bounds_settle_or_fall_back_to_the_exact_mass(monkeypatch):
-    """The small-top-k path bounds a row's mass from its block maxima. A heavy tail settles
-    the joint cut at both bounds; a flat tail whose mass moves top-p's boundary does not, and
-    the exact mass decides. Either way the draws are the general path's."""
+@pytest.mark.parametrize("case", ["block maxima", "group maxima", "exact mass"])
+def test_joint_bounds_settle_or_fall_back_to_the_exact_mass(case, monkeypatch):
+    """The candidate paths bound a row's mass (ops/joint.py). A heavy tail settles the joint
+    cut at the block maxima's bounds; a peaked one (T=0.7) needs, for some rows, the tighter
+    lower bound of 32-entry groups; a flat tail whose mass moves top-p's boundary needs the
+    exact mass. Whichever decides, the draws are the general path's (batch and one row)."""
     import fastsample.ops.joint as joint
     import fastsample.ops.small_top_k as small
 
     rng = np.random.default_rng(3)
-    vocab = 20_000
-    heavy = rng.normal(size=(4, vocab)) * 3  # top-p reaches past the top 20 at both bounds
-    flat = np.full((4, vocab), -5.5)  # a tail of mass ~0.6 of the top's, ~1/256 a block max
-    flat[:, :8] = np.log(np.array([60.0, 30.0, 20.0, 12.0, 9.0, 7.0, 5.0, 3.0]))
-    flat += rng.normal(size=flat.shape) * 1e-3
-    exact_masses = []
-    row_mass = joint.row_mass
-    monkeypatch.setattr(joint, "row_mass", lambda *a: exact_masses.append(1) or row_mass(*a))
-    for rows, top_p, falls_back in ((heavy, 0.9, False), (flat, 0.6, True)):
-        x = torch.tensor(rows, dtype=torch.float32)
-        controls = dict(temperature=torch.full((4,), 1.0), top_k=torch.full((4,), 20),
-                        top_p=torch.full((4,), top_p), min_p=torch.zeros(4))  # fmt: skip
-        args = dict(**controls, cut_order="joint", seed=torch.arange(4), num_samples=3)
-        exact_masses.clear()
-        fast = fs.sample(x, **args)
-        assert bool(exact_masses) == falls_back
-        want = [reference_probs(r, 1.0, 20, top_p, 0.0, cut_order="joint") for r in rows]
-        assert_matches_reference(fs.process(x, **controls, cut_order="joint"), np.stack(want),
-                                 "joint")  # fmt: skip
-        one_row = [fs.sample(x[b : b + 1], **one_row_args(args, b)).token_ids for b in range(4)]
-        with monkeypatch.context() as general:
-            general.setattr(small, "applies", lambda *a: False)
-            assert torch.equal(fast.token_ids, fs.sample(x, **args).token_ids)
-            for b in range(4):  # one row: the host-rows path against the general one
-                want_b = fs.sample(x[b : b + 1], **one_row_args(args, b)).token_ids
-                assert torch.equal(one_row[b], want_b)
+    if case == "block maxima":
+        vocab, t, k, top_p = 20_000, 1.0, 20, 0.9
+        rows = rng.normal(size=(4, vocab)) * 3
+    elif case == "group maxima":
+        vocab, t, k, top_p = 40_000, 0.7, 30, 0.9
+        rows = rng.normal(size=(8, vocab)) * 3
+    else:  # a tail of mass ~0.6 of the top's, ~1/256 of it a block maximum
+        vocab, t, k, top_p = 20_000, 1.0, 20, 0.6
+        rows = np.full((4, vocab), -5.5)
+        rows[:, :8] = np.log(np.array([60.0, 30.0, 20.0, 12.0, 9.0, 7.0, 5.0, 3.0]))
+        rows += rng.normal(size=rows.shape) * 1e-3
+    used = []
+    originals = joint._group_bound, joint.exact_masses, joint.row_mass
+    for name, original in zip(("_group_bound", "exact_masses", "row_mass"), originals,
+                              strict=True):  # fmt: skip
+        monkeypatch.setattr(joint, name, lambda *a, n=name, f=original: used.append(n) or f(*a))
+    batch = rows.shape[0]
+    x = torch.tensor(rows, dtype=torch.float32)
+    controls = dict(temperature=torch.full((batch,), t), top_k=torch.full((batch,), k),
+                    top_p=torch.full((batch,), top_p), min_p=torch.zeros(batch))  # fmt: skip
+    args = dict(**controls, cut_order="joint", seed=torch.arange(batch), num_samples=3)
+    fast = fs.sample(x, **args)
+    assert ("_group_bound" in used) == (case != "block maxima")  # groups before any exact
+    assert ("exact_masses" in used or "row_mass" in used) == (case == "exact mass")
+    want = [reference_probs(r, t, k, top_p, 0.0, cut_order="joint") for r in rows]
+    assert_matches_reference(fs.process(x, **controls, cut_order="joint"), np.stack(want),
+                             "joint")  # fmt: skip
+    one_row = [fs.sample(x[b : b + 1], **one_row_args(args, b)).token_ids for b in range(batch)]
+    with monkeypatch.context() as general:
+        general.setattr(small, "applies", lambda *a: False)
+        assert torch.equal(fast.token_ids, fs.sample(x, **args).token_ids)
+        for b in range(batch):  # one row: the host-rows path against the general one
+            want_b = fs.sample(x[b : b + 1], **one_row_args(args, b)).token_ids
+            assert torch.equal(one_row[b], want_b)
 
 
 def one_row_args(args, b):

@@ -22,7 +22,7 @@ from .inverse_cdf import BLOCK, block_sums
 from .pieces import piece_rows
 from .weights import logit_weights_divided_
 
-__all__ = ["host_mass_bounds", "joint_top_p_cut", "row_mass"]
+__all__ = ["exact_masses", "host_mass_bounds", "joint_top_p_cut", "row_mass"]
 
 
 # Relative slack on the bounds of a row's mass: far above the float rounding of a float64 sum
@@ -98,7 +98,7 @@ def joint_top_p_cut(
         if bool(settled.all()):
             return at_low
         rows = (~settled).nonzero().squeeze(1)
-        exact = _masses_of(logits, rows.tolist(), shift, divisor)
+        exact = exact_masses(logits, rows.tolist(), shift, divisor)
         p_rows = top_p.index_select(0, rows) if isinstance(top_p, Tensor) else top_p
         cut = top_p_cut_from_candidates(
             candidates.index_select(0, rows), cut_k.index_select(0, rows), p_rows,
@@ -153,7 +153,7 @@ def _group_bound(
     return torch.cat(bounds)
 
 
-def _masses_of(
+def exact_masses(
     logits: Tensor, rows: list[int], shift: Tensor, divisor: Tensor | float | None
 ) -> Tensor:
     """:func:`row_mass` of the listed rows, one at a time through one row of scratch (no
