@@ -24,6 +24,7 @@ RANKS = {
     "distributed": 3,
     "hf": 4,
     "vllm": 4,
+    "sglang": 4,
     "tools": 5,
 }
 TOP = 6  # fastsample/__init__.py and __main__.py

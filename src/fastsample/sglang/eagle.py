@@ -73,8 +73,7 @@ from torch import Tensor
 
 from ..stages import process_step
 from ..verify import TokenTree, verify_chain, verify_tree
-from .install import keys_are_ours
-from .state import count, warn_once
+from .state import count, keys_are_ours, warn_once
 
 __all__ = ["EAGLE_SAMPLE", "fastsample_eagle_sample", "install", "sglang_tree", "unsupported"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .state import STATE, logger, warn_once
 
-__all__ = ["enabled_by_env", "install", "keys_are_ours", "seeded_batch_info", "warn_once"]
+__all__ = ["enabled_by_env", "install", "seeded_batch_info", "warn_once"]
 
 SAMPLER = "sglang.srt.layers.sampler.Sampler"
 FAST_SAMPLE = "sglang.srt.speculative.spec_utils.fast_sample"
@@ -80,7 +80,7 @@ def seeded_batch_info(original: Any, *args: Any, **kwargs: Any) -> Any:
     ``sampling_seed``, else a fresh random 63-bit key (from the OS, not torch's generator).
     SGLang merges, filters and copies the tensor with the batch, so each request keeps its
     key. Outside deterministic mode SGLang would have had none: its own code, when a step is
-    handed to it, sees None again (:func:`keys_are_ours`).
+    handed to it, sees None again (:func:`.state.keys_are_ours`).
     """
     info = original(*args, **kwargs)
     try:
@@ -103,17 +103,3 @@ def seeded_batch_info(original: Any, *args: Any, **kwargs: Any) -> Any:
                   "seeded requests are not reproducible")  # fmt: skip
     return info
 
-
-def keys_are_ours() -> bool:
-    """Whether the batch's ``sampling_seed`` was filled by :func:`seeded_batch_info` (SGLang
-    builds one only under ``--enable-deterministic-inference``): SGLang's own code must then
-    see None, as it would without the plugin (its seeded CPU path needs a kernel that no CPU
-    wheel ships). Read from SGLang's runtime settings, not from the batch: SGLang copies the
-    batch's settings for every forward pass (``copy_for_forward``), dropping extra
-    attributes."""
-    from sglang.srt.runtime_context import get_exec
-
-    try:
-        return not get_exec().deterministic.enable_deterministic_inference
-    except ValueError:  # no runtime published (outside an engine): SGLang's default, off
-        return True

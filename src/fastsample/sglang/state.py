@@ -52,3 +52,18 @@ def read_calls(path: str | os.PathLike[str]) -> collections.Counter[str]:
                 if line.strip():
                     counts[line.split()[0]] += 1
     return counts
+
+
+def keys_are_ours() -> bool:
+    """Whether a batch's ``sampling_seed`` was filled by the plugin
+    (:func:`.install.seeded_batch_info`; SGLang builds one only under
+    ``--enable-deterministic-inference``): SGLang's own code must then see None, as it would
+    without the plugin (its seeded CPU path needs a kernel that no CPU wheel ships). Read from
+    SGLang's runtime settings, not from the batch: SGLang copies the batch's settings for
+    every forward pass (``copy_for_forward``), dropping extra attributes."""
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        return not get_exec().deterministic.enable_deterministic_inference
+    except ValueError:  # no runtime published (outside an engine): SGLang's default, off
+        return True
