@@ -86,4 +86,8 @@ def test_sglangs_own_seeded_fast_sample_does_not_run_on_cpu(child):
 
 
 def law_cases():
-    yield LawCase("SGLang sample_draft_proposal via fastsample, V=12", law(), DRAWS, CLAIM)
+    yield LawCase(
+        "SGLang sample_draft_proposal via fastsample, V=12", law(), DRAWS, CLAIM,
+        carried_by="tests/test_exactness.py::test_fast_sample_joint_law_matches_multinomial_law "
+        "(fs.fast_sample's law at 2%); here: that SGLang's call site reaches it, keyed",
+    )  # fmt: skip

@@ -1,7 +1,7 @@
 """``vllm serve`` with the plugin under load, on each model runner, at a CI size.
 
 Runs ``scripts/vllm_serve_load.py`` (its docstring lists the checks) in a subprocess: 120
-(V1) or 80 (MRV2) streaming requests from 16 ``openai`` clients, one in ten closed
+(V1) or 100 (MRV2) streaming requests from 16 ``openai`` clients, one in ten closed
 mid-stream, a KV cache small enough to preempt, JSON-schema structured outputs through
 xgrammar. Seeded requests equal their solo runs, JSON parses, no error, no step handed to
 vLLM's own sampler, the runner built is the one asked for, and with the server idle after
@@ -28,8 +28,10 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_serve_load.py"
 # (requests, clients, pool, warm-up) per runner, and the subprocess's time limit. Measured on
 # 2 shared cores: V1 ~65 s (40 s of it the server's start); MRV2, whose bookkeeping runs in
-# Triton's interpreter (~1 s per request under load), ~195 s at 120 requests, so 80 here.
-SIZES = {"v1": (120, 16, 8, 40), "mrv2": (80, 16, 6, 30)}
+# Triton's interpreter (~1 s per request under load), ~195 s at 120 requests, so 100 here
+# (80 with a 30-request warm-up left the worker's malloc 1.10 MiB fuller after 50 requests,
+# over the 1.05 MiB limit: its allocator was still warming).
+SIZES = {"v1": (120, 16, 8, 40), "mrv2": (100, 16, 6, 40)}
 TIMEOUT_S = {"v1": 300, "mrv2": 420}
 
 
