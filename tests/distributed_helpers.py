@@ -537,7 +537,7 @@ def _keep_freed_memory() -> None:
         libc.mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, port: int, outdir: str, scenarios: dict | None) -> None:
     # Loopback only (macOS names it lo0).
     os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
     torch.set_num_threads(1)  # world processes share 2 cores
@@ -551,7 +551,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     )
     results: dict = {}
     try:
-        for name, scenario in SCENARIOS.items():
+        for name, scenario in (SCENARIOS if scenarios is None else scenarios).items():
             start = time.perf_counter()
             try:
                 results[name] = scenario(rank, world)
@@ -563,12 +563,17 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def run_group(world: int) -> list[dict]:
-    """Run every scenario on ``world`` gloo processes; each rank's results."""
+def run_group(world: int, scenarios: dict | None = None) -> list[dict]:
+    """Run every scenario on ``world`` gloo processes; each rank's results.
+
+    ``scenarios``: name -> ``scenario(rank, world)`` (picklable: module-level functions or
+    partials of them), :data:`SCENARIOS` if None. A scenario that raises leaves
+    ``{"error": traceback}`` under its name (:func:`results` fails the test with it)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir, scenarios))
+                 for r in range(world)]  # fmt: skip
         try:
             for p in procs:
                 p.start()

@@ -27,24 +27,25 @@ same size; tensor controls (the radix rounds) draw the same tokens seed for seed
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
-import socket
-import sys
-import tempfile
-import time
-import traceback
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fastsample as fs
 import test_cut_order
-from distributed_helpers import ALIGNED, ALIGNED_VOCAB, UNEVEN, UNEVEN_VOCAB, shard
+from distributed_helpers import (
+    ALIGNED,
+    ALIGNED_VOCAB,
+    UNEVEN,
+    UNEVEN_VOCAB,
+    results,
+    run_group,
+    shard,
+)  # fmt: skip
 from reference import min_p_keeping, reference_probs, robust_top_p, top_p_keeping
 from stattests import LawCase, assert_law, law_rejected
 from test_controls import make_logits
@@ -170,7 +171,7 @@ def scenario_orders(rank: int, world: int, backends) -> dict:
     return out
 
 
-def scenario_law(rank: int) -> dict:
+def scenario_law(rank: int, world: int) -> dict:
     from fastsample import distributed as fsd
 
     span = LAW_SPANS[rank]
@@ -195,31 +196,6 @@ def scenario_law(rank: int) -> dict:
     return {"counts": counts.numpy(), "equal": equal}
 
 
-def _worker(rank: int, world: int, port: int, outdir: str, backends) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
-    results: dict = {}
-    try:
-        start = time.perf_counter()
-        results["orders"] = scenario_orders(rank, world, backends)
-        if world == 2:
-            results["law"] = scenario_law(rank)
-        results["seconds"] = time.perf_counter() - start
-    except Exception:
-        results["error"] = traceback.format_exc()
-    finally:
-        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def backends_for(world: int) -> tuple[str, ...]:
     return ("torch", "triton") if world == 2 and HAS_TRITON else ("torch",)
 
@@ -228,33 +204,20 @@ def backends_for(world: int) -> tuple[str, ...]:
 def group(request):
     """``(world, results per rank)`` of one run of both scenarios on ``world`` gloo ranks."""
     world = request.param
-    ctx = mp.get_context("spawn")
+    scenarios = {"orders": functools.partial(scenario_orders, backends=backends_for(world))}
+    if world == 2:
+        scenarios["law"] = scenario_law
     # The ranks run the Triton round on CPU tensors: the interpreter is on from their start.
     saved = os.environ.get("TRITON_INTERPRET")
     if saved is None and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-    with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir, backends_for(world)))
-                 for r in range(world)]  # fmt: skip
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + 600
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            assert not any(p.is_alive() for p in procs), "ranks still running after 600 s"
-            out = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
-                   for r in range(world)]  # fmt: skip
-        finally:
-            if saved is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-    for rank, r in enumerate(out):
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    try:
+        out = run_group(world, scenarios)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+    for name in scenarios:
+        results((world, out), name)  # fails the test with a rank's traceback
     return world, out
 
 
