@@ -2,9 +2,10 @@
 
 In the joint order (SGLang's sampler, FlashInfer's ``filter_apply_order="joint"``) top-p's
 mass is the whole row's, ``Z``, not the top-k survivors'. The candidate paths
-(:mod:`.small_top_k`, :mod:`.host_top_k`) weigh only the ``k`` largest entries, so ``Z`` is
-first bounded from the block maxima they already have; only rows whose cut the bounds leave
-open pay one pass of ``exp`` over the row for the exact ``Z``.
+(:mod:`.small_top_k`, :mod:`.host_top_k`, :mod:`.host_rows`) weigh only the ``k`` largest
+entries, so ``Z`` is first bounded from the block maxima they already have; rows whose cut
+those bounds leave open get a tighter lower bound from the maxima of 32-entry groups (a max
+pass over the row), and only rows still open pay one pass of ``exp`` for the exact ``Z``.
 """
 
 from __future__ import annotations
@@ -86,25 +87,24 @@ def joint_top_p_cut(
         # The unsettled rows only (host indices: CPU eager): a tighter lower bound from the
         # maxima of groups of GROUP entries (a max pass, no exp over the row), then the
         # exact mass of the rows that bound leaves open.
+
+        def cut_of(rows: Tensor, mass: Tensor) -> Tensor:  # top-p's cut of those rows
+            p_rows = top_p.index_select(0, rows) if isinstance(top_p, Tensor) else top_p
+            return top_p_cut_from_candidates(
+                candidates.index_select(0, rows), cut_k.index_select(0, rows), p_rows,
+                ties.index_select(0, rows), mass=mass,
+            )  # fmt: skip
+
         rows = (~settled).nonzero().squeeze(1)
         finer = _group_bound(logits, rows.tolist(), shift, divisor, cut_k, kept_k)
-        p_rows = top_p.index_select(0, rows) if isinstance(top_p, Tensor) else top_p
-        at_finer = top_p_cut_from_candidates(
-            candidates.index_select(0, rows), cut_k.index_select(0, rows), p_rows,
-            ties.index_select(0, rows), mass=finer * (1 - _MASS_SLACK),
-        )  # fmt: skip
+        at_finer = cut_of(rows, finer * (1 - _MASS_SLACK))
         at_low = at_low.index_copy(0, rows, at_finer)
         settled = settled.index_copy(0, rows, at_finer == at_high.index_select(0, rows))
         if bool(settled.all()):
             return at_low
         rows = (~settled).nonzero().squeeze(1)
         exact = exact_masses(logits, rows.tolist(), shift, divisor)
-        p_rows = top_p.index_select(0, rows) if isinstance(top_p, Tensor) else top_p
-        cut = top_p_cut_from_candidates(
-            candidates.index_select(0, rows), cut_k.index_select(0, rows), p_rows,
-            ties.index_select(0, rows), mass=exact,
-        )  # fmt: skip
-        return at_low.index_copy(0, rows, cut)
+        return at_low.index_copy(0, rows, cut_of(rows, exact))
     return top_p_cut_from_candidates(
         candidates, cut_k, top_p, ties, mass=row_mass(logits, shift, divisor)
     )
