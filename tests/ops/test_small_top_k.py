@@ -233,6 +233,94 @@ def test_cpu_eager_path_draws_bitwise_what_the_general_path_draws(monkeypatch, b
         assert served["rows"] >= 0.9 * served["one draw"], served
 
 
+@pytest.mark.parametrize("batch", [1, 2, 8, 64])
+def test_min_p_without_top_k_draws_bitwise_what_the_general_path_draws(monkeypatch, batch):
+    """Calls with min-p and no top-k whose min-p keeps few tokens take the candidate path with
+    a top-k that cuts none of them (small_top_k.min_p_candidates, checked on the k-th weight
+    before any uniform): every output is the general path's, with and without top-p in each
+    cut order, Python and per-row controls, one and two draws, top-N, seeded and from a
+    generator, float32 and bfloat16. Calls it must not serve go to the general path: min-p
+    keeping thousands of tokens, a row with min-p off, a NaN row, a greedy row."""
+    served = {"few": 0}
+    host_draw, rows_draw = host_top_k.draw, host_rows.draw
+
+    def spy(draw):
+        def spied(*args):
+            got = draw(*args)
+            served["few"] += got is not None and args[-1] is True  # few_survivors
+            return got
+
+        return spied
+
+    monkeypatch.setattr(host_top_k, "draw", spy(host_draw))
+    monkeypatch.setattr(host_rows, "draw", spy(rows_draw))
+    gen = torch.Generator().manual_seed(100 + batch)
+    wide = torch.randn(batch, 50_000, generator=gen) * 3  # a short last block (195 x 256 + 80)
+    t_rows = torch.rand(batch, generator=gen) * 0.6 + 0.5
+    m_rows = torch.rand(batch, generator=gen) * 0.2 + 0.02
+    p_rows = torch.rand(batch, generator=gen) * 0.5 + 0.5
+    few = [
+        dict(temperature=0.8, min_p=0.05),
+        dict(temperature=t_rows, min_p=m_rows),
+        dict(min_p=0.1, top_p=0.9),
+        dict(temperature=0.7, min_p=m_rows, top_p=p_rows, cut_order="vllm"),
+        dict(temperature=t_rows, min_p=0.05, top_p=0.8, cut_order="joint"),
+    ]
+    m_off = m_rows.clone()
+    m_off[-1] = 0.0
+    t_greedy = t_rows.clone()
+    t_greedy[0] = 0.0
+    declined = [
+        dict(temperature=1.5, min_p=1e-4),  # thousands of survivors a row
+        dict(temperature=0.8, min_p=m_off),  # the last row keeps its whole row
+        dict(temperature=t_greedy, min_p=0.05),  # a greedy row
+    ]
+    nan = wide.clone()
+    nan[-1, 12_345] = math.nan
+    # bfloat16 rows of 64 tie at the k-th logit beyond the spares in some row: the general path
+    kinds = (wide, wide.bfloat16()) if batch < 64 else (wide,)
+    cases = [(x, c, True) for x in kinds for c in few]
+    cases += [(wide, c, False) for c in declined] + [(nan, few[0], False)]
+    combos = [(1, 0, True), (2, 0, False), (1, 5, False)] if batch < 64 else [(1, 3, True)]
+    for (x, controls, serves), (n, top, seeded) in itertools.product(cases, combos):
+        kwargs = dict(controls, num_samples=n, top_logprobs=top)
+        if seeded:
+            kwargs |= dict(seed=torch.arange(batch) * 31 + 7, step=torch.full((batch,), 3))
+        with monkeypatch.context() as patch:
+            patch.setattr(small_top_k, "min_p_candidates", lambda *args: None)
+            torch.manual_seed(11)
+            general = fs.sample(x, **kwargs)
+        before = served["few"]
+        torch.manual_seed(11)
+        fast = fs.sample(x, **kwargs)
+        assert served["few"] == before + serves, (x.dtype, controls, n, top)
+        for field in fast._fields:
+            a, b = getattr(fast, field), getattr(general, field)
+            assert (a is None and b is None) or torch.equal(a, b), (field, x.dtype, kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_min_p_candidates_decline_when_the_top_k_would_cut(monkeypatch, batch):
+    """The check that keeps min_p_candidates exact: with fewer candidates than min-p keeps (the
+    count forced below the survivors), the top-k would cut survivors, so the draw declines and
+    the general path answers; without the check (negative control) the outputs differ."""
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 50_000, generator=gen) * 3
+    kwargs = dict(temperature=1.2, min_p=0.02, seed=torch.arange(batch) + 1, top_logprobs=5)
+    with monkeypatch.context() as patch:
+        patch.setattr(small_top_k, "min_p_candidates", lambda *args: None)
+        general = fs.sample(x, **kwargs)
+    with monkeypatch.context() as patch:  # 8 candidates: fewer than min-p keeps in every row
+        patch.setattr(small_top_k, "_survivor_candidates", lambda maxima, controls: 8)
+        checked = fs.sample(x, **kwargs)
+        for field in checked._fields:
+            a, b = getattr(checked, field), getattr(general, field)
+            assert (a is None and b is None) or torch.equal(a, b), field
+        patch.setattr(host_top_k, "top_k_cuts_no_survivor", lambda *args: True)  # no check
+        unchecked = fs.sample(x, **kwargs)
+    assert not torch.equal(unchecked.logprobs, general.logprobs)
+
+
 def test_applies_only_to_what_it_reproduces():
     x = torch.randn(2, 1000)
     ok = check_controls(0.7, 50, 0.9, 0.05, 2, 1000, x.device)

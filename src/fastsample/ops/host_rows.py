@@ -43,10 +43,10 @@ from array import array
 import torch
 from torch import Tensor
 
-from . import host_floats, joint
-from .cuts import BELOW_ONE
+from . import host_floats, host_top_k, joint
+from .cuts import BELOW_ONE, predecessor
 from .host_floats import rounded
-from .host_top_k import LOW_STEPS, HostDrawn, candidate_sizes
+from .host_top_k import LOW_STEPS, HostDrawn, candidate_sizes, unscaled_min_p
 from .inverse_cdf import BLOCK
 from .noise import UniformSource
 from .threads import GRAIN
@@ -89,10 +89,13 @@ def draw(
     count: int,
     source: UniformSource,
     num_top: int,
+    few_survivors: bool = False,
 ) -> HostDrawn | None:
     """One draw per row of :func:`fastsample.ops.small_top_k.draw` for at most :data:`ROWS`
     CPU rows in eager mode (``logits`` float32 or half, ``maxima`` its block maxima,
-    ``count`` the largest ``k``), or None (decided before any uniform is drawn)."""
+    ``count`` the largest ``k``), or None (decided before any uniform is drawn; with
+    ``few_survivors``, also where the k-th weight reaches min-p's cut, as in
+    :func:`.host_top_k.draw`)."""
     batch, vocab = logits.shape
     blocks = maxima.shape[1]
     wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
@@ -137,6 +140,10 @@ def draw(
     torch.frombuffer(scaled, dtype=torch.float32).exp_()
     per_row = wide + LOW_STEPS
     weights = [scaled[b * per_row : (b + 1) * per_row] for b in range(batch)]
+    if few_survivors:  # the k-th weights, float32 as the tensor steps hold them
+        kth = torch.tensor([w[k - 1] for w, k in zip(weights, k_rows, strict=True)])
+        if not host_top_k.top_k_cuts_no_survivor(kth, controls):
+            return None
     # x_low, the smallest float32 reaching the k-th weight: the k-th logit, or a few floats
     # below it where the subtraction or the division rounds them together.
     x_lows = []
@@ -157,10 +164,13 @@ def draw(
         [row[:wide] for row in weights], [row[:wide] for row in values], k_rows, count, x_lows,
         host, bounds,
     )  # fmt: skip
+    below = _BELOW_ONE
+    if few_survivors and unscaled_min_p(controls):  # the general path's min-p alone
+        scales, below = [1.0] * batch, predecessor(controls.min_p, torch.float32)  # type: ignore[arg-type]
     kept = []
     for row, scale in zip(weights, scales, strict=True):
         quotients = rounded([w / scale for w in row[:wide]])  # keep_at_least, in float32
-        kept.append([q if q > _BELOW_ONE else 0.0 for q in quotients])
+        kept.append([q if q > below else 0.0 for q in quotients])
     width = vocab + vocab % 2  # the general path's even-width weight buffer
     rows = host_floats.block_values(kept, [row[:wide] for row in ids], width)
     if not all(rows):
@@ -197,7 +207,7 @@ def draw(
                                device=device)  # fmt: skip
         top_weights = torch.tensor([[kept[b][i] for i in o] for b, o in enumerate(order)],
                                    dtype=torch.float64, device=device)  # fmt: skip
-    read = _reader(logits, peaks, divisors, scales)
+    read = _reader(logits, peaks, divisors, scales, below)
     if batch == 1:  # torch.full takes a Python number in a third of torch.tensor's time
         token_ids = torch.full((1, 1), tokens[0], device=device)
         weights = torch.full((1, 1), drawn[0], dtype=torch.float64, device=device)
@@ -290,9 +300,10 @@ def _by_value_then_index(values: list, ids: list, num: int) -> list[int]:
     return sorted(range(len(values)), key=lambda i: (-values[i], ids[i]))[:num]
 
 
-def _reader(logits: Tensor, peaks: list, divisors: list, scales: list):
+def _reader(logits: Tensor, peaks: list, divisors: list, scales: list, below: float):
     """``read(columns)``: the kept weights at ``(B, c)`` columns below the even width, as the
-    general path's weight buffer holds them (the padding column weighs 0)."""
+    general path's weight buffer holds them (the padding column weighs 0): scaled, then
+    kept where above ``below``."""
     vocab = logits.shape[1]
 
     def read(columns: Tensor) -> Tensor:
@@ -303,7 +314,7 @@ def _reader(logits: Tensor, peaks: list, divisors: list, scales: list):
         if divisors[0] is not None:
             w.div_(torch.tensor(divisors, dtype=torch.float32, device=device)[:, None])
         w.exp_().div_(torch.tensor(scales, dtype=torch.float32, device=device)[:, None])
-        kept = torch.nn.functional.threshold_(w, _BELOW_ONE, 0.0)
+        kept = torch.nn.functional.threshold_(w, below, 0.0)
         return kept if vocab % 2 == 0 else torch.where(columns < vocab, kept, 0.0)
 
     return read

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from . import host_floats, threads
-from .cuts import BELOW_ONE, CUT_FLOOR, top_p_cut_from_candidates
+from .cuts import BELOW_ONE, CUT_FLOOR, predecessor, top_p_cut_from_candidates
 from .host_floats import any_value, below_one, finite, positive
 from .inverse_cdf import BLOCK, BLOCK_SHIFT, inverse_cdf_draw, kept_block_sums
 from .joint import joint_top_p_cut
@@ -103,10 +103,13 @@ def draw(
     num_samples: int,
     source: UniformSource,
     num_top: int,
+    few_survivors: bool = False,
 ) -> HostDrawn | None:
     """The draw of :func:`fastsample.ops.small_top_k.draw` for CPU eager calls (``logits``
     float32 or half, ``maxima`` its block maxima, ``count`` the largest ``k``), or None when
-    the call needs the general steps (decided before any uniform is drawn)."""
+    the call needs the general steps (decided before any uniform is drawn); with
+    ``few_survivors``, also when the k-th weight reaches min-p's cut in some row
+    (:func:`~fastsample.ops.small_top_k.min_p_candidates`)."""
     batch, vocab = logits.shape
     blocks = maxima.shape[1]
     wide, need, short = candidate_sizes(logits.dtype, vocab, blocks, count, num_top)
@@ -155,6 +158,8 @@ def draw(
         k_rows = [min(max(k, 1), count) for k in k_lists]  # type: ignore[union-attr]
         kth = torch.tensor(k_rows, device=logits.device).sub_(1)[:, None]
         cut_k, x_k = wide_weights.gather(1, kth).squeeze(1), wide_values.gather(1, kth).squeeze(1)
+    if few_survivors and not top_k_cuts_no_survivor(cut_k, controls):
+        return None
     # One host read: x_low, the smallest float32 reaching the k-th weight, is x_k or one of
     # the few floats below it (where the subtraction or the division rounds them together),
     # and the need-th largest lies below it, so every entry >= x_low is among the wide
@@ -186,9 +191,12 @@ def draw(
                                    best, divisor, readable=True)  # fmt: skip
 
     scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls, host, joint)
+    below = BELOW_ONE[torch.float32]
+    if few_survivors and unscaled_min_p(controls):  # the general path's min-p alone
+        scale, below = torch.ones_like(scale), predecessor(controls.min_p, torch.float32)  # type: ignore[arg-type]
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
-        return torch.nn.functional.threshold_(w.div_(scale), BELOW_ONE[torch.float32], 0.0)
+        return torch.nn.functional.threshold_(w.div_(scale), below, 0.0)
 
     width = vocab + vocab % 2  # the general path's even-width weight buffer
 
@@ -219,6 +227,22 @@ def draw(
         top_ids = ids[:, :wide].gather(1, order)
         top_weights = kept.gather(1, order).to(torch.float64)
     return HostDrawn(token_ids, genuine, total, valid, read, weights, top_ids, top_weights)
+
+
+def top_k_cuts_no_survivor(cut_k: Tensor, controls: Controls) -> bool:
+    """Whether min-p's cut lies above the k-th weight ``cut_k`` (float32) in every row (the
+    largest weight is 1): then the top-k cuts nothing min-p keeps, which
+    :func:`~fastsample.ops.small_top_k.min_p_candidates` relies on (one host read)."""
+    assert controls.min_p is not None
+    return bool((cut_k < _rows(controls.min_p, cut_k.shape[0], cut_k.device)).all())
+
+
+def unscaled_min_p(controls: Controls) -> bool:
+    """Whether the general path cuts these controls as min-p alone with a Python number: one
+    threshold for the batch, ``w > predecessor(min_p)``, with no division by the cut
+    (:func:`fastsample.controls.processed_weights`). The candidates of
+    :func:`~fastsample.ops.small_top_k.min_p_candidates` keep their weights the same way."""
+    return controls.top_p is None and isinstance(controls.min_p, float)
 
 
 def _lowest_reaching(weigh, x_k: Tensor, cut_k: Tensor) -> tuple[Tensor, Tensor]:

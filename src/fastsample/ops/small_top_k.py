@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -171,6 +172,76 @@ def applies(logits: Tensor | None, controls: Controls) -> int | None:
     return candidate_count(controls, vocab)
 
 
+MIN_P_CANDIDATES = 64
+"""The fewest candidates taken for a call without top-k whose min-p keeps few tokens
+(:func:`min_p_candidates`)."""
+
+# Blocks beyond the candidates' count (tie spares and one more) for the candidate path.
+_SHORT_MARGIN = 32
+
+MIN_P_CANDIDATE_ENTRIES = 1 << 14
+"""At most this many candidates in the batch (``B x k``) for :func:`min_p_candidates`: past
+it the general path is cheaper (B=64, V=128,256 on the 2-core AMD host: ``k = 256`` took
+0.7x the general path's time for temperature and min-p, ``k = 512`` 1.8x)."""
+
+
+def min_p_candidates(logits: Tensor | None, controls: Controls) -> Controls | None:
+    """Controls the candidate path serves in place of ``controls`` when these have no top-k but
+    a min-p on every row (CPU eager), or None.
+
+    Min-p keeps ``w >= min_p`` (the largest weight is 1), usually a few tokens. If fewer than
+    :data:`MIN_P_CANDIDATES` do in every row, a top-k of that many cuts nothing min-p keeps,
+    so the kept set is the same with it: ``top_k = MIN_P_CANDIDATES`` then gives the general
+    path's numbers. Top-p's mass is unchanged too: in the ``"vllm"`` order it is min-p's
+    survivors', in the others the whole row's, which the ``"joint"`` order reads. Whether
+    the survivors are that few is known only once the candidates are weighed:
+    :func:`draw` with ``few_survivors=True`` checks it before any uniform is drawn and
+    returns None otherwise (the caller then takes the general path with ``controls``).
+    """
+    min_p = controls.min_p
+    if controls.top_k is not None or min_p is None or logits is None:
+        return None
+    if not host_readable(logits):
+        return None  # the check reads the candidates' weights on the host
+    if isinstance(min_p, Tensor):
+        if not host_readable(min_p) or not bool((min_p > 0).all()):
+            return None  # a row with min-p off (or NaN) keeps its whole row
+    elif not min_p > 0:
+        return None
+    order = controls.cut_order
+    if controls.top_p is not None and order != "vllm":
+        order = "joint"  # top-p on the whole row's mass, as without a top-k
+    largest = min(CANDIDATE_MAX_K, MIN_P_CANDIDATE_ENTRIES // max(logits.shape[0], 1))
+    if largest < MIN_P_CANDIDATES:
+        return None
+    virtual = replace(controls, top_k=largest, cut_order=order)  # draw() picks the k
+    return virtual if applies(logits, virtual) else None
+
+
+def _survivor_candidates(maxima: Tensor, controls: Controls) -> int | None:
+    """How many candidates :func:`min_p_candidates`'s draw takes: at least
+    :data:`MIN_P_CANDIDATES` and twice the most blocks of a row whose maximum min-p keeps
+    (each holds a survivor; a few hold two or more), fewer than the row's blocks; None past
+    ``controls.top_k`` (its most) or where that leaves no room. Read on the host from the
+    block maxima, so a call with many survivors skips the candidates; approximate weights
+    suffice (the draw checks the exact ones)."""
+    scaled = maxima.float() - maxima.amax(-1, keepdim=True).float()
+    t = controls.temperature
+    if isinstance(t, Tensor):
+        scaled = scaled / t.float()[:, None]
+    elif t is not None:
+        scaled = scaled / t
+    min_p = controls.min_p
+    assert min_p is not None
+    log_min = torch.log(min_p.float())[:, None] if isinstance(min_p, Tensor) else math.log(min_p)
+    # A NaN row counts none here; the draw declines it.
+    blocks = int((scaled >= log_min).sum(-1).max())
+    # The candidate path takes its candidates from more blocks than it has candidates.
+    count = min(max(MIN_P_CANDIDATES, 2 * blocks), maxima.shape[1] - _SHORT_MARGIN)
+    assert isinstance(controls.top_k, int)
+    return count if blocks < count <= controls.top_k else None
+
+
 def draw(
     logits: Tensor,
     controls: Controls,
@@ -178,7 +249,8 @@ def draw(
     source: UniformSource,
     num_top: int = 0,
     count: int | None = None,
-) -> Drawn:
+    few_survivors: bool = False,
+) -> Drawn | None:
     """Draws from the processed distribution of ``logits`` (:func:`applies` holds).
 
     ``read`` in the result gives the kept (scaled) weight at any ``(B, c)`` columns, as the
@@ -186,7 +258,9 @@ def draw(
     ``greedy_ids`` tell the rows to replace by their first maximal index (drawn at ``T = 1``
     here, like the general path draws them). On CPU in eager mode the result may also carry
     the drawn ids' kept weights and the ``num_top`` largest (:mod:`.host_top_k`).
-    ``count``: :func:`candidate_count`'s value when the caller has it.
+    ``count``: :func:`candidate_count`'s value when the caller has it. ``few_survivors``:
+    ``controls`` come from :func:`min_p_candidates`; None when a row's min-p keeps as many
+    tokens as there are candidates (decided before any uniform is drawn).
     """
     # One pass over the logits (torch's threads), then a chain of small ops
     # (see fastsample.ops.threads).
@@ -195,17 +269,25 @@ def draw(
         if count is None:
             count = candidate_count(controls, logits.shape[1])
         assert count is not None
+        if few_survivors:
+            count = _survivor_candidates(maxima, controls)
+            if count is None:
+                return None
+            controls = replace(controls, top_k=count)
         got = None
         if num_samples == 1 and logits.shape[0] <= host_rows.ROWS:
-            got = host_rows.draw(logits, maxima, controls, count, source, num_top)
+            got = host_rows.draw(logits, maxima, controls, count, source, num_top, few_survivors)
         if got is None:
-            got = host_top_k.draw(logits, maxima, controls, count, num_samples, source, num_top)
+            got = host_top_k.draw(logits, maxima, controls, count, num_samples, source, num_top,
+                                  few_survivors)  # fmt: skip
         if got is not None:
             return Drawn(
                 got.token_ids, got.genuine, got.total, got.valid, got.read, maxima,  # type: ignore[arg-type]
                 weights=got.weights, top_ids=got.top_ids, top_weights=got.top_weights,
                 clean=got.clean, token_probs=got.token_probs,
             )  # fmt: skip
+    if few_survivors:
+        return None  # the fixed-shape steps cannot check the survivors
     return _draw_from_maxima(logits, maxima, controls, num_samples, source)
 
 

@@ -106,9 +106,15 @@ def draw(
         out = _all_greedy(source, is_logits, num_samples, rows_ok)
         return Drawn(out, greedy=_all_rows(batch, source.device))
     count = small_top_k.applies(logits, controls)  # the k best blocks and one count
+    got = None
     if count:
         assert logits is not None
         got = small_top_k.draw(logits, controls, num_samples, rng, num_top, count)
+    elif (few := small_top_k.min_p_candidates(logits, controls)) is not None:
+        # No top-k, but min-p keeps few tokens: the candidates of a top-k that cuts none of them
+        assert logits is not None
+        got = small_top_k.draw(logits, few, num_samples, rng, num_top, few_survivors=True)
+    if got is not None:
         token_ids, genuine = got.token_ids.clamp_max_(vocab - 1), got.genuine
         if got.greedy is not None:  # tensor temperature: greedy rows as the general path
             greedy_ids, greedy_genuine = _greedy_draws(logits, True, num_samples, got)
