@@ -210,20 +210,25 @@ for call in calls:
     call()  # lazy set-up first
 torch.ones(GRAIN_TEST).sum()  # a region, then let the workers go to sleep
 before = settled()
+if len(sys.argv) > 4:  # a stalled region seen just now: the passes are held in pieces
+    from fastsample.ops import threads
+    threads._STALLS.hold = 600.0  # the whole test, however slow the machine
+    assert threads.judge(1.0, 0.0, 2)
 for call in calls:
     call()
 print(before, settled())
 """
 
 
-def _wakeups(serial: str, batch: int, workload: str) -> tuple[int, int]:
+def _wakeups(serial: str, batch: int, workload: str, held: bool = False) -> tuple[int, int]:
     """The workers' settled context-switch counts before and after the calls, in a fresh
-    interpreter on two torch threads."""
+    interpreter on two torch threads (``held``: right after a stalled region)."""
     env = dict(os.environ, OMP_NUM_THREADS="2", **{threads.SERIAL_ENV: serial})
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    args = [str(GRAIN_TEST), str(batch), workload] + (["held"] if held else [])
     done = subprocess.run(
-        [sys.executable, "-c", _WAKEUPS, str(GRAIN_TEST), str(batch), workload],
+        [sys.executable, "-c", _WAKEUPS, *args],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -250,3 +255,75 @@ def test_the_wakeup_count_sees_a_region():
     (one parallel region) moves the count."""
     before, after = _wakeups("0", 64, "control")
     assert after > before
+
+
+@pytest.mark.skipif(not _LINUX, reason="needs Linux /proc and two CPUs")
+def test_after_a_stalled_region_the_calls_open_none():
+    """By default at B=64 the passes over the logits are parallel regions (the control
+    above); right after a region whose threads did not run together they run in pieces, as
+    in the serial mode: no worker wakes during the engine calls."""
+    before, after = _wakeups("", 64, "engine", held=True)
+    assert after == before
+    before, after = _wakeups("", 64, "engine")  # negative control: no stall seen
+    assert after > before
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fresh record of regions and a clock the test moves (seconds)."""
+    now = [1000.0]
+    monkeypatch.setattr(threads, "_STALLS", threads._Stalls())
+    monkeypatch.setattr(threads, "_now", lambda: now[0])
+    monkeypatch.delenv(threads.SERIAL_ENV, raising=False)
+    return now
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread opens no region")
+def test_a_stalled_region_holds_the_passes_in_pieces(clock):
+    cpu, big = torch.device("cpu"), threads.PARALLEL_PASS_ELEMENTS
+    hold = threads.HOLD_S
+    assert not threads.serial_passes(cpu, big)
+    assert not threads.judge(wall=0.010, cpu=0.019, threads=2)  # both threads ran
+    assert not threads.serial_passes(cpu, big)
+    assert threads.judge(wall=0.010, cpu=0.011, threads=2)  # one waited for the other
+    assert threads.serial_passes(cpu, big)
+    assert threads.serial_passes(cpu, big // 2)  # small passes run in pieces anyway
+    assert not threads.serial_passes(torch.device("meta"), big)  # CPU only
+    clock[0] += hold * 1.01
+    assert not threads.serial_passes(cpu, big)  # the hold is over: the next pass tries
+    assert threads.judge(wall=0.010, cpu=0.012, threads=2)  # stalls again: twice as long
+    clock[0] += hold * 1.5
+    assert threads.serial_passes(cpu, big)
+    clock[0] += hold * 0.6
+    assert not threads.serial_passes(cpu, big)
+    assert not threads.judge(wall=0.010, cpu=0.018, threads=2)  # quiet again
+    assert threads.judge(wall=0.010, cpu=0.005, threads=2)  # a new stall starts short
+    clock[0] += hold * 1.01
+    assert not threads.serial_passes(cpu, big)
+    for _ in range(20):  # the hold grows to its cap
+        threads.judge(wall=0.010, cpu=0.005, threads=2)
+    assert threads._STALLS.hold == threads.HOLD_MAX_S
+    assert threads._STALLS.stalled == 23 and threads._STALLS.watched == 25
+
+
+def test_the_setting_overrides_the_watch(clock, monkeypatch):
+    cpu, big = torch.device("cpu"), threads.PARALLEL_PASS_ELEMENTS
+    threads.judge(wall=0.010, cpu=0.0, threads=2)
+    monkeypatch.setenv(threads.SERIAL_ENV, "0")
+    assert not threads.serial_passes(cpu, big)
+    ran = threads.watched(cpu, lambda: 7)  # not timed: nothing recorded
+    assert ran == 7 and threads._STALLS.watched == 1
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread opens no region")
+def test_watched_judges_long_regions_only(clock, monkeypatch):
+    cpu = torch.device("cpu")
+    times = iter([0.0, 1e-5])  # the wall clock at the start and at the end
+    monkeypatch.setattr(threads.time, "perf_counter", lambda: next(times))
+    threads.watched(cpu, lambda: None)
+    assert threads._STALLS.watched == 0  # 10 us: too short to judge
+    times = iter([0.0, 0.0, 0.01, 0.003])  # 10 ms of wall time, 3 ms of CPU on 2 threads
+    monkeypatch.setattr(threads.time, "process_time", lambda: next(times))
+    monkeypatch.setattr(threads.time, "perf_counter", lambda: next(times))
+    threads.watched(cpu, lambda: None)
+    assert threads._STALLS.stalled == 1 and threads.serial_passes(cpu, 1 << 22)

@@ -415,7 +415,9 @@ def _scan_whole_blocks(
             torch.amax(content.view(-1, _GROUP), -1, out=piece)
         rows_per, groups_per = max(1, (GRAIN - 1) // per_row), step * per_block
     else:  # a large batch: each step one op over all blocks (torch's threads)
-        maxima = source.index_select(0, rows).view(-1, _GROUP).amax(-1)
+        maxima = threads.watched(
+            logits.device, lambda: source.index_select(0, rows).view(-1, _GROUP).amax(-1)
+        )
         rows_per, groups_per = batch, pairs * per_block
     groups = source.view(-1, _GROUP)
     if batch > 1:  # each candidate group's floor (its row's)

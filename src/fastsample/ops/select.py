@@ -326,7 +326,8 @@ def block_maxima(values: Tensor) -> Tensor:
         out = torch.empty(batch, full, dtype=values.dtype, device=values.device)
         parts = [threads.blockwise_(values, out, BLOCK, "amax")]
     else:  # one op: a parallel region over a long input (fastsample.ops.threads)
-        parts = [values[:, : full * BLOCK].reshape(batch, full, BLOCK).amax(-1)]
+        whole = values[:, : full * BLOCK].reshape(batch, full, BLOCK)
+        parts = [threads.watched(values.device, lambda: whole.amax(-1))]
     if vocab % BLOCK:
         parts.append(values[:, full * BLOCK :].amax(-1, keepdim=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -31,8 +31,16 @@ it with a warning). Instead:
   groups' maxima, the entries reaching the floor) counts as such a pass at large batches
   (:func:`serial_scan`: B x k x 256 entries counted double, as they cost ~2.5x a pass's per
   entry): at B=64, k=50 it is three regions, 0.8 -> 0.3 ms on the quiet 2-core machine;
+* those passes watch themselves (:func:`watched`): a region whose threads did not run
+  together (the process's CPU time over the pass well under the threads times its wall
+  time: a thread was descheduled and the others waited) sends every pass to pieces for a
+  while (:data:`HOLD_S`, doubling while the next region tried stalls too, up to
+  :data:`HOLD_MAX_S`); on a quiet machine no region stalls and nothing changes. This is the
+  library's own state (no torch setting), and it changes speed only: the pieces give the
+  same numbers;
 * ``FASTSAMPLE_CPU_SERIAL`` (read at every call) overrides that: ``1`` runs every pass in
-  pieces (a call then opens no parallel region at all), ``0`` runs every pass as one op.
+  pieces (a call then opens no parallel region at all), ``0`` runs every pass as one op
+  (never watched).
 
 Results never depend on any of this: every reduction here sums or compares within a row (or a
 block) in the same order whatever the pieces and the thread count.
@@ -41,9 +49,14 @@ block) in the same order whatever the pieces and the thread count.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 GRAIN = 32768
 """ATen's ``at::internal::GRAIN_SIZE``: elementwise ops, reductions, ``gather``, ``scatter``,
@@ -68,15 +81,81 @@ SERIAL_ENV = "FASTSAMPLE_CPU_SERIAL"
 def serial_passes(device: torch.device, elements: int) -> bool:
     """Whether a pass over ``elements`` runs in pieces under the grain: CPU eager, more than
     one torch thread, and ``FASTSAMPLE_CPU_SERIAL`` is ``1`` (always), ``0`` (never) or unset
-    (below :data:`PARALLEL_PASS_ELEMENTS`). Read at every call."""
+    (below :data:`PARALLEL_PASS_ELEMENTS`, or while a stalled region holds the passes
+    serial: :func:`watched`). Read at every call."""
     if device.type != "cpu" or torch.compiler.is_compiling() or elements < GRAIN:
         return False
     if torch.get_num_threads() == 1:  # no region can open: one op is fewer dispatches
         return False
     setting = os.environ.get(SERIAL_ENV, "")
     if setting in ("", "auto"):
-        return elements < PARALLEL_PASS_ELEMENTS
+        return elements < PARALLEL_PASS_ELEMENTS or _now() < _STALLS.serial_until
     return setting != "0"
+
+
+HOLD_S = 0.5
+"""Seconds the passes stay in pieces after a stalled region (:func:`watched`)."""
+
+HOLD_MAX_S = 16.0
+"""The longest hold: after each region tried at the end of a hold that stalls again, the
+next hold doubles, up to this."""
+
+STALL_SHARE = 0.7
+"""A region stalled if the process's CPU time over it is below this share of the threads'
+time (threads x wall time): with every thread running, it is ~0.9-1 (the threads spin at
+the region's end rather than sleep)."""
+
+WATCH_FROM_S = 2e-4
+"""Regions shorter than this are not judged: the clocks' overhead and the op's serial part
+weigh too much there."""
+
+
+class _Stalls:
+    """What the passes have seen of their own parallel regions (one per process: the load is
+    the machine's). Plain attributes: a race between threads only shifts a hold."""
+
+    def __init__(self) -> None:
+        self.serial_until = 0.0  # time.monotonic() before which the passes run in pieces
+        self.hold = HOLD_S
+        self.stalled = 0  # regions judged stalled (for tests and the benchmark)
+        self.watched = 0  # regions judged
+
+
+_STALLS = _Stalls()
+_now = time.monotonic  # the holds' clock (a name the tests replace)
+
+
+def watched(device: torch.device, run: Callable[[], T]) -> T:
+    """``run()``, a pass run as one parallel op on ``device``, timed on CPU in eager mode: if
+    its threads did not run together (process CPU time under :data:`STALL_SHARE` of threads
+    x wall time, over at least :data:`WATCH_FROM_S`), the passes run in pieces for the next
+    hold (:func:`serial_passes`). Not watched where ``FASTSAMPLE_CPU_SERIAL`` is set."""
+    if (
+        device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or torch.get_num_threads() == 1
+        or os.environ.get(SERIAL_ENV, "") not in ("", "auto")
+    ):
+        return run()
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = run()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if wall >= WATCH_FROM_S:
+        judge(wall, cpu, torch.get_num_threads())
+    return out
+
+
+def judge(wall: float, cpu: float, threads: int) -> bool:
+    """Record one parallel region of ``wall`` seconds that took ``cpu`` seconds of the
+    process's CPU time on ``threads`` threads; True if it stalled (then a hold starts)."""
+    _STALLS.watched += 1
+    if cpu >= STALL_SHARE * threads * wall:
+        _STALLS.hold = HOLD_S  # the threads ran together: a later stall starts short
+        return False
+    _STALLS.stalled += 1
+    _STALLS.serial_until = _now() + _STALLS.hold
+    _STALLS.hold = min(2 * _STALLS.hold, HOLD_MAX_S)
+    return True
 
 
 def serial_scan(device: torch.device, entries: int) -> bool:
@@ -92,7 +171,7 @@ def copy_(out: Tensor, values: Tensor) -> Tensor:
     :func:`serial_passes` says so (the same values either way)."""
     count = values.numel()
     if not serial_passes(values.device, count) or values.dim() != 2:
-        return out.copy_(values)
+        return watched(values.device, lambda: out.copy_(values))
     batch, width = values.shape
     if width >= GRAIN:  # long rows: pieces of each row
         for row in range(batch):

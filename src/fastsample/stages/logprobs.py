@@ -97,17 +97,23 @@ def _softmax_mass(scores: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
     sums = torch.empty(batch, full, dtype=dtype, device=scores.device)
     tails = torch.empty(batch, dtype=dtype, device=scores.device) if vocab % BLOCK else None
     at_first = torch.empty(batch, 1, dtype=dtype, device=scores.device)
-    for start in range(0, batch, rows_per):
-        stop = min(start + rows_per, batch)
-        probs = _softmax(scores[start:stop], buffer[: stop - start])
-        if serial:
-            threads.blockwise_(probs, sums[start:stop], BLOCK, "sum")
-        else:
-            whole = probs[:, : full * BLOCK].reshape(stop - start, full, BLOCK)
-            torch.sum(whole, -1, out=sums[start:stop])
-        if tails is not None:  # the short last block
-            torch.sum(probs[:, full * BLOCK :], -1, out=tails[start:stop])
-        torch.gather(probs, 1, first[start:stop], out=at_first[start:stop])
+    def pieces() -> None:
+        for start in range(0, batch, rows_per):
+            stop = min(start + rows_per, batch)
+            probs = _softmax(scores[start:stop], buffer[: stop - start])
+            if serial:
+                threads.blockwise_(probs, sums[start:stop], BLOCK, "sum")
+            else:
+                whole = probs[:, : full * BLOCK].reshape(stop - start, full, BLOCK)
+                torch.sum(whole, -1, out=sums[start:stop])
+            if tails is not None:  # the short last block
+                torch.sum(probs[:, full * BLOCK :], -1, out=tails[start:stop])
+            torch.gather(probs, 1, first[start:stop], out=at_first[start:stop])
+
+    if serial or scores.numel() < threads.PARALLEL_PASS_ELEMENTS:
+        pieces()
+    else:  # parallel regions over a long input: watched for stalls (fastsample.ops.threads)
+        threads.watched(scores.device, pieces)
     mass = sums.to(torch.float64).sum(-1)
     if tails is not None:
         mass += tails.to(torch.float64)
