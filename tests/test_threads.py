@@ -213,7 +213,7 @@ before = settled()
 if len(sys.argv) > 4:  # a stalled region seen just now: the passes are held in pieces
     from fastsample.ops import threads
     threads._STALLS.hold = 600.0  # the whole test, however slow the machine
-    assert threads.judge(1.0, 0.0, 2)
+    assert threads.judge(1.0, 0.0)
 for call in calls:
     call()
 print(before, settled())
@@ -283,32 +283,32 @@ def test_a_stalled_region_holds_the_passes_in_pieces(clock):
     cpu, big = torch.device("cpu"), threads.PARALLEL_PASS_ELEMENTS
     hold = threads.HOLD_S
     assert not threads.serial_passes(cpu, big)
-    assert not threads.judge(wall=0.010, cpu=0.019, threads=2)  # both threads ran
+    assert not threads.judge(wall=0.010, cpu=0.0099)  # the calling thread ran throughout
     assert not threads.serial_passes(cpu, big)
-    assert threads.judge(wall=0.010, cpu=0.011, threads=2)  # one waited for the other
+    assert threads.judge(wall=0.010, cpu=0.004)  # it slept, waiting for a worker
     assert threads.serial_passes(cpu, big)
     assert threads.serial_passes(cpu, big // 2)  # small passes run in pieces anyway
     assert not threads.serial_passes(torch.device("meta"), big)  # CPU only
     clock[0] += hold * 1.01
     assert not threads.serial_passes(cpu, big)  # the hold is over: the next pass tries
-    assert threads.judge(wall=0.010, cpu=0.012, threads=2)  # stalls again: twice as long
+    assert threads.judge(wall=0.010, cpu=0.006)  # stalls again: twice as long
     clock[0] += hold * 1.5
     assert threads.serial_passes(cpu, big)
     clock[0] += hold * 0.6
     assert not threads.serial_passes(cpu, big)
-    assert not threads.judge(wall=0.010, cpu=0.018, threads=2)  # quiet again
-    assert threads.judge(wall=0.010, cpu=0.005, threads=2)  # a new stall starts short
+    assert not threads.judge(wall=0.010, cpu=0.0095)  # quiet again
+    assert threads.judge(wall=0.010, cpu=0.005)  # a new stall starts short
     clock[0] += hold * 1.01
     assert not threads.serial_passes(cpu, big)
     for _ in range(20):  # the hold grows to its cap
-        threads.judge(wall=0.010, cpu=0.005, threads=2)
+        threads.judge(wall=0.010, cpu=0.005)
     assert threads._STALLS.hold == threads.HOLD_MAX_S
     assert threads._STALLS.stalled == 23 and threads._STALLS.watched == 25
 
 
 def test_the_setting_overrides_the_watch(clock, monkeypatch):
     cpu, big = torch.device("cpu"), threads.PARALLEL_PASS_ELEMENTS
-    threads.judge(wall=0.010, cpu=0.0, threads=2)
+    threads.judge(wall=0.010, cpu=0.0)
     monkeypatch.setenv(threads.SERIAL_ENV, "0")
     assert not threads.serial_passes(cpu, big)
     ran = threads.watched(cpu, lambda: 7)  # not timed: nothing recorded
@@ -322,8 +322,8 @@ def test_watched_judges_long_regions_only(clock, monkeypatch):
     monkeypatch.setattr(threads.time, "perf_counter", lambda: next(times))
     threads.watched(cpu, lambda: None)
     assert threads._STALLS.watched == 0  # 10 us: too short to judge
-    times = iter([0.0, 0.0, 0.01, 0.003])  # 10 ms of wall time, 3 ms of CPU on 2 threads
-    monkeypatch.setattr(threads.time, "process_time", lambda: next(times))
+    times = iter([0.0, 0.0, 0.01, 0.003])  # 10 ms of wall time, 3 ms of this thread's CPU
+    monkeypatch.setattr(threads.time, "thread_time", lambda: next(times))
     monkeypatch.setattr(threads.time, "perf_counter", lambda: next(times))
     threads.watched(cpu, lambda: None)
     assert threads._STALLS.stalled == 1 and threads.serial_passes(cpu, 1 << 22)
