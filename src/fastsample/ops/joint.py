@@ -18,10 +18,11 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from . import threads
 from .cuts import top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, block_sums
 from .pieces import piece_rows
-from .weights import logit_weights_divided_
+from .weights import logit_weights_divided_, logit_weights_in_pieces_
 
 __all__ = ["exact_masses", "host_mass_bounds", "joint_top_p_cut", "row_mass"]
 
@@ -64,7 +65,7 @@ def joint_top_p_cut(
         blocks = maxima.shape[1]
         block_weights = torch.where(
             maxima > -math.inf,
-            logit_weights_divided_(
+            logit_weights_in_pieces_(
                 torch.empty_like(maxima, dtype=torch.float32), maxima.float(), shift, divisor
             ),
             0.0,
@@ -142,12 +143,14 @@ def _group_bound(
     full = vocab // GROUP
     bounds = []
     for b in rows:
-        row = logits[b, : full * GROUP].view(full, GROUP).amax(-1)
+        # Group maxima in pieces under the grain (a row is past it: no parallel region).
+        row = torch.empty(1, full, dtype=logits.dtype, device=logits.device)
+        threads.blockwise_(logits[b : b + 1, : full * GROUP], row, GROUP, "amax")
         if vocab % GROUP:
-            row = torch.cat([row, logits[b, full * GROUP :].amax(-1, keepdim=True)])
+            row = torch.cat([row, logits[b : b + 1, full * GROUP :].amax(-1, keepdim=True)], 1)
         part = divisor[b : b + 1] if isinstance(divisor, Tensor) else divisor
-        out = torch.empty(1, row.shape[0], dtype=torch.float32, device=logits.device)
-        weights = logit_weights_divided_(out, row[None].float(), shift[b : b + 1], part)
+        out = torch.empty(1, row.shape[1], dtype=torch.float32, device=logits.device)
+        weights = logit_weights_in_pieces_(out, row.float(), shift[b : b + 1], part)
         below = torch.where(weights < cut_k[b], weights, 0.0)
         bounds.append(below.sum(-1, dtype=torch.float64) + kept_k[b])
     return torch.cat(bounds)
@@ -156,14 +159,23 @@ def _group_bound(
 def exact_masses(
     logits: Tensor, rows: list[int], shift: Tensor, divisor: Tensor | float | None
 ) -> Tensor:
-    """:func:`row_mass` of the listed rows, one at a time through one row of scratch (no
-    copy of the rows, no fresh block per row: large fresh blocks cost page faults)."""
-    scratch = torch.empty(1, logits.shape[1], dtype=torch.float32, device=logits.device)
+    """:func:`row_mass` of the listed rows (the same numbers), one at a time and in pieces of
+    whole blocks under torch's parallel grain, so that no op opens a parallel region
+    (:mod:`fastsample.ops.threads`); through one piece of scratch (no copy of the rows, no
+    fresh block per row: large fresh blocks cost page faults)."""
+    vocab = logits.shape[1]
+    step = (threads.GRAIN - 1) // BLOCK * BLOCK
+    scratch = torch.empty(1, min(step, vocab), dtype=torch.float32, device=logits.device)
     masses = []
     for b in rows:
         part = divisor[b : b + 1] if isinstance(divisor, Tensor) else divisor
-        weights = logit_weights_divided_(scratch, logits[b : b + 1], shift[b : b + 1], part)
-        masses.append(block_sums(weights).sum(-1))
+        sums = []
+        for start in range(0, vocab, step):
+            stop = min(start + step, vocab)
+            out = scratch[:, : stop - start]
+            piece = logits[b : b + 1, start:stop]
+            sums.append(block_sums(logit_weights_in_pieces_(out, piece, shift[b : b + 1], part)))
+        masses.append(torch.cat(sums, 1).sum(-1))
     return torch.cat(masses)
 
 
@@ -194,7 +206,7 @@ def host_mass_bounds(
         high = top_k_mass + BLOCK * (tail + (len(ascending) - below) * cut_k)
 
         def exact() -> float:
-            return float(row_mass(logits[b : b + 1], shift[b : b + 1], divisors[b])[0])
+            return float(exact_masses(logits, [b], shift, divisors[b])[0])
 
         return low * (1 - _MASS_SLACK), high * (1 + _MASS_SLACK), exact
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import threads
 from .validation import Control, Controls, plain_total_fits, total_fits
 
 
@@ -96,6 +97,18 @@ def logit_weights_divided_(
     # its loop differently from the vector body, which would split ties and make a row's bits
     # depend on its place in the batch.
     return out.exp_()
+
+
+def logit_weights_in_pieces_(
+    out: Tensor, logits: Tensor, shift: Tensor, divisor: Tensor | float | None
+) -> Tensor:
+    """:func:`logit_weights_divided_` for the chains of small ops (``out`` under torch's
+    parallel grain): the same numbers, its ``exp`` in pieces that open no parallel region
+    (:func:`fastsample.ops.threads.exp_`)."""
+    torch.sub(logits, shift[:, None], out=out)
+    if divisor is not None:
+        out.div_(divisor)
+    return threads.exp_(out)
 
 
 def prob_weights_(out: Tensor, probs: Tensor, scale: Tensor, temperature: Control) -> Tensor:
