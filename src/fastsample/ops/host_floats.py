@@ -168,7 +168,7 @@ def scales(
             p = float(p_rows[b])
             if row_mass_bounds is not None:  # the joint order: the whole row's mass
                 cut_p = _joint_top_p_cut(candidates, cut_k, p, ties, tensor_p,
-                                         row_mass_bounds, b)  # fmt: skip
+                                         row_mass_bounds, b, cut_min)  # fmt: skip
             else:
                 cut_p = _top_p_cut(candidates, floor, p, ties, tensor_p)
             cut = max(cut, cut_p)
@@ -178,11 +178,15 @@ def scales(
     return out
 
 
-def _joint_top_p_cut(candidates, cut_k, p, ties, tensor, row_mass_bounds, b) -> float:
-    """:func:`fastsample.ops.joint.joint_top_p_cut` for one row."""
+def _joint_top_p_cut(
+    candidates, cut_k, p, ties, tensor, row_mass_bounds, b, cut_min=None
+) -> float:  # fmt: skip
+    """:func:`fastsample.ops.joint.joint_top_p_cut` for one row (``cut_min``: its ``floor``)."""
     top_k_mass = sum(x for x in candidates if x > cut_k) + ties * cut_k
     low, high, exact = row_mass_bounds(b, cut_k, top_k_mass)
     at_low = _top_p_cut(candidates, cut_k, p, ties, tensor, mass=low)
+    if cut_min is not None and at_low <= cut_min:  # min-p cuts deeper whatever the mass
+        return at_low
     if at_low == _top_p_cut(candidates, cut_k, p, ties, tensor, mass=high):
         return at_low
     return _top_p_cut(candidates, cut_k, p, ties, tensor, mass=exact())

@@ -185,10 +185,13 @@ def draw(
         return None
     joint = None
     if controls.top_p_on_whole_row:  # top-p on the whole row's mass, bounded from the maxima
+        # min-p's cut (the largest weight is 1): where top-p's cut lies below it, its exact
+        # place does not matter
+        cut_min = None if controls.min_p is None else _rows(controls.min_p, batch, logits.device)
 
         def joint(candidates: Tensor, cut_k: Tensor, ties: Tensor) -> Tensor:
             return joint_top_p_cut(logits, maxima, candidates, cut_k, ties, controls.top_p,
-                                   best, divisor, readable=True)  # fmt: skip
+                                   best, divisor, readable=True, floor=cut_min)  # fmt: skip
 
     scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls, host, joint)
     below = BELOW_ONE[torch.float32]

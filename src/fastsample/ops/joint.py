@@ -45,6 +45,7 @@ def joint_top_p_cut(
     shift: Tensor,
     divisor: Tensor | float | None,
     readable: bool,
+    floor: Tensor | None = None,
 ) -> Tensor:
     """Top-p's cut on the whole row's mass (the ``"joint"`` order), from the candidates.
 
@@ -56,7 +57,9 @@ def joint_top_p_cut(
     agree (read on the host, CPU eager: real logits' tails are light, and a heavy tail puts
     the cut at ``cut_k`` either way), that is the cut; otherwise (and on CUDA or under
     ``torch.compile``, where reading would sync) the exact ``Z``, one pass of ``exp`` over the
-    row, decides.
+    row, decides. ``floor`` (``(B,)``, min-p's cut, which the caller applies after): a row
+    whose cut at the lower bound, the highest it can be, is at most ``floor`` is settled too,
+    with that cut (the kept set is min-p's either way, and ``max(cut, floor)`` the same).
     """
     f64 = torch.float64
     kept_k = torch.where(candidates > cut_k[:, None], candidates, 0.0).sum(-1, dtype=f64)
@@ -83,6 +86,8 @@ def joint_top_p_cut(
         )
         # Rows with a NaN or infinite logit are invalid whatever their cut.
         settled = (at_low == at_high) | ~torch.isfinite(low) | ~torch.isfinite(high)
+        if floor is not None:
+            settled |= at_low <= floor
         if bool(settled.all()):
             return at_low
         # The unsettled rows only (host indices: CPU eager): a tighter lower bound from the
@@ -100,7 +105,10 @@ def joint_top_p_cut(
         finer = _group_bound(logits, rows.tolist(), shift, divisor, cut_k, kept_k)
         at_finer = cut_of(rows, finer * (1 - _MASS_SLACK))
         at_low = at_low.index_copy(0, rows, at_finer)
-        settled = settled.index_copy(0, rows, at_finer == at_high.index_select(0, rows))
+        now_settled = at_finer == at_high.index_select(0, rows)
+        if floor is not None:
+            now_settled |= at_finer <= floor.index_select(0, rows)
+        settled = settled.index_copy(0, rows, now_settled)
         if bool(settled.all()):
             return at_low
         rows = (~settled).nonzero().squeeze(1)
