@@ -58,6 +58,7 @@ from typing import TextIO
 import torch
 from torch import Tensor
 
+from ...ops import threads
 from ...sampling import sample
 from .busy import busy_loops
 from .harness import LOGIT_SCALE, Call, Timing, pick_device, time_interleaved, timing_from_args
@@ -280,6 +281,8 @@ def run_setting(
     """Time every contender for one setting, interleaved (then again beside ``busy``
     busy-loop processes if ``busy``); rows in display order."""
     calls = setting_calls(name, logits, peers, only, pool)
+    # A quiet machine: no hold left from an earlier busy phase (fastsample.ops.threads).
+    threads.forget_stalls()
     quiet = _medians(calls, logits.device, timing)
     loaded = None
     if busy:
