@@ -50,6 +50,22 @@ def draw_both(monkeypatch, x, **controls):
     return fast, general
 
 
+def sample_without(monkeypatch, shortcut: str, x, **kwargs):
+    """``fs.sample`` with ``small_top_k.<shortcut>`` declining every call (the general path),
+    unseeded draws from the default generator seeded 11."""
+    with monkeypatch.context() as patch:
+        patch.setattr(small_top_k, shortcut, lambda *args: None)
+        torch.manual_seed(11)
+        return fs.sample(x, **kwargs)
+
+
+def assert_same_outputs(fast, general, context) -> None:
+    """Every field of two sample outputs equal (or absent from both)."""
+    for field in fast._fields:
+        a, b = getattr(fast, field), getattr(general, field)
+        assert (a is None and b is None) or torch.equal(a, b), (field, context)
+
+
 DEVICES = [
     "cpu",
     pytest.param(
@@ -216,18 +232,13 @@ def test_cpu_eager_path_draws_bitwise_what_the_general_path_draws(monkeypatch, b
         kwargs = dict(controls, num_samples=n, top_logprobs=top)
         if seeded:
             kwargs |= dict(seed=torch.arange(batch) * 31 + 7, step=torch.full((batch,), 3))
-        with monkeypatch.context() as patch:
-            patch.setattr(small_top_k, "applies", lambda *args: False)
-            torch.manual_seed(11)
-            general = fs.sample(x, **kwargs)
+        general = sample_without(monkeypatch, "applies", x, **kwargs)
         torch.manual_seed(11)
         fast = fs.sample(x, **kwargs)
         served["calls"] += name != "nan"  # a NaN row sends its batch to the general steps
         # (row 0 of bad_min_p keeps nothing: the tensor steps flag it)
         served["one draw"] += name != "nan" and n == 1 and controls.get("min_p") is not bad_min_p
-        for field in fast._fields:
-            a, b = getattr(fast, field), getattr(general, field)
-            assert (a is None and b is None) or torch.equal(a, b), (name, field, kwargs)
+        assert_same_outputs(fast, general, (name, kwargs))
     assert served["host"] >= 0.9 * served["calls"], served
     if batch <= host_rows.ROWS:  # one draw for one or two rows: the Python-float path
         assert served["rows"] >= 0.9 * served["one draw"], served
@@ -286,17 +297,12 @@ def test_min_p_without_top_k_draws_bitwise_what_the_general_path_draws(monkeypat
         kwargs = dict(controls, num_samples=n, top_logprobs=top)
         if seeded:
             kwargs |= dict(seed=torch.arange(batch) * 31 + 7, step=torch.full((batch,), 3))
-        with monkeypatch.context() as patch:
-            patch.setattr(small_top_k, "min_p_candidates", lambda *args: None)
-            torch.manual_seed(11)
-            general = fs.sample(x, **kwargs)
+        general = sample_without(monkeypatch, "min_p_candidates", x, **kwargs)
         before = served["few"]
         torch.manual_seed(11)
         fast = fs.sample(x, **kwargs)
         assert served["few"] == before + serves, (x.dtype, controls, n, top)
-        for field in fast._fields:
-            a, b = getattr(fast, field), getattr(general, field)
-            assert (a is None and b is None) or torch.equal(a, b), (field, x.dtype, kwargs)
+        assert_same_outputs(fast, general, (x.dtype, kwargs))
 
 
 @pytest.mark.parametrize("batch", [1, 2, 8])
@@ -307,15 +313,11 @@ def test_min_p_candidates_decline_when_the_top_k_would_cut(monkeypatch, batch):
     gen = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, 50_000, generator=gen) * 3
     kwargs = dict(temperature=1.2, min_p=0.02, seed=torch.arange(batch) + 1, top_logprobs=5)
-    with monkeypatch.context() as patch:
-        patch.setattr(small_top_k, "min_p_candidates", lambda *args: None)
-        general = fs.sample(x, **kwargs)
+    general = sample_without(monkeypatch, "min_p_candidates", x, **kwargs)
     with monkeypatch.context() as patch:  # 8 candidates: fewer than min-p keeps in every row
         patch.setattr(small_top_k, "_survivor_candidates", lambda maxima, controls: 8)
         checked = fs.sample(x, **kwargs)
-        for field in checked._fields:
-            a, b = getattr(checked, field), getattr(general, field)
-            assert (a is None and b is None) or torch.equal(a, b), field
+        assert_same_outputs(checked, general, kwargs)
         patch.setattr(host_top_k, "top_k_cuts_no_survivor", lambda *args: True)  # no check
         unchecked = fs.sample(x, **kwargs)
     assert not torch.equal(unchecked.logprobs, general.logprobs)

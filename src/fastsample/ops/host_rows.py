@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import host_floats, host_top_k, joint
-from .cuts import BELOW_ONE, predecessor
+from .cuts import BELOW_ONE
 from .host_floats import rounded
 from .host_top_k import LOW_STEPS, HostDrawn, candidate_sizes, unscaled_min_p
 from .inverse_cdf import BLOCK
@@ -165,8 +165,8 @@ def draw(
         host, bounds,
     )  # fmt: skip
     below = _BELOW_ONE
-    if few_survivors and unscaled_min_p(controls):  # the general path's min-p alone
-        scales, below = [1.0] * batch, predecessor(controls.min_p, torch.float32)  # type: ignore[arg-type]
+    if few_survivors and (threshold := unscaled_min_p(controls)) is not None:
+        scales, below = [1.0] * batch, threshold  # the general path's min-p alone
     kept = []
     for row, scale in zip(weights, scales, strict=True):
         quotients = rounded([w / scale for w in row[:wide]])  # keep_at_least, in float32

@@ -54,6 +54,7 @@ from .noise import UniformSource
 from .select import _largest_first
 from .threads import GRAIN
 from .validation import Controls
+from .weights import logit_weights_divided_
 
 # Entries reaching the floor per candidate past which the ties are too many for a short table
 # (integer logits, masked rows): the general steps serve those calls.
@@ -142,10 +143,7 @@ def draw(
 
     def weigh(x: Tensor) -> Tensor:  # the general path's formula, on a few columns
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        torch.sub(x, best[:, None], out=out)
-        if divisor is not None:
-            out.div_(divisor)
-        return threads.exp_(out)  # in pieces: no parallel region (weights.logit_weights_)
+        return logit_weights_divided_(out, x, best, divisor, in_pieces=True)
 
     wide_values = values[:, :wide]
     wide_weights = weigh(wide_values)
@@ -195,8 +193,8 @@ def draw(
 
     scale = _scale(wide_weights, wide_values, cut_k, x_low, count, controls, host, joint)
     below = BELOW_ONE[torch.float32]
-    if few_survivors and unscaled_min_p(controls):  # the general path's min-p alone
-        scale, below = torch.ones_like(scale), predecessor(controls.min_p, torch.float32)  # type: ignore[arg-type]
+    if few_survivors and (threshold := unscaled_min_p(controls)) is not None:
+        scale, below = torch.ones_like(scale), threshold  # the general path's min-p alone
 
     def keep(w: Tensor) -> Tensor:  # controls.keep_at_least, on a few columns
         return torch.nn.functional.threshold_(w.div_(scale), below, 0.0)
@@ -240,12 +238,15 @@ def top_k_cuts_no_survivor(cut_k: Tensor, controls: Controls) -> bool:
     return bool((cut_k < _rows(controls.min_p, cut_k.shape[0], cut_k.device)).all())
 
 
-def unscaled_min_p(controls: Controls) -> bool:
-    """Whether the general path cuts these controls as min-p alone with a Python number: one
-    threshold for the batch, ``w > predecessor(min_p)``, with no division by the cut
-    (:func:`fastsample.controls.processed_weights`). The candidates of
-    :func:`~fastsample.ops.small_top_k.min_p_candidates` keep their weights the same way."""
-    return controls.top_p is None and isinstance(controls.min_p, float)
+def unscaled_min_p(controls: Controls) -> float | None:
+    """The threshold ``predecessor(min_p)`` where the general path cuts these controls as
+    min-p alone with a Python number (one threshold for the batch, ``w > it``, with no
+    division by the cut: :func:`fastsample.controls.processed_weights`), else None. The
+    candidates of :func:`~fastsample.ops.small_top_k.min_p_candidates` keep their weights
+    the same way (scale 1)."""
+    if controls.top_p is None and isinstance(controls.min_p, float):
+        return predecessor(controls.min_p, torch.float32)
+    return None
 
 
 def _lowest_reaching(weigh, x_k: Tensor, cut_k: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ from . import threads
 from .cuts import top_p_cut_from_candidates
 from .inverse_cdf import BLOCK, block_sums
 from .pieces import piece_rows
-from .weights import logit_weights_divided_, logit_weights_in_pieces_
+from .weights import logit_weights_divided_
 
 __all__ = ["exact_masses", "host_mass_bounds", "joint_top_p_cut", "row_mass"]
 
@@ -68,8 +68,9 @@ def joint_top_p_cut(
         blocks = maxima.shape[1]
         block_weights = torch.where(
             maxima > -math.inf,
-            logit_weights_in_pieces_(
-                torch.empty_like(maxima, dtype=torch.float32), maxima.float(), shift, divisor
+            logit_weights_divided_(
+                torch.empty_like(maxima, dtype=torch.float32), maxima.float(), shift, divisor,
+                in_pieces=True,
             ),
             0.0,
         )
@@ -158,7 +159,7 @@ def _group_bound(
             row = torch.cat([row, logits[b : b + 1, full * GROUP :].amax(-1, keepdim=True)], 1)
         part = divisor[b : b + 1] if isinstance(divisor, Tensor) else divisor
         out = torch.empty(1, row.shape[1], dtype=torch.float32, device=logits.device)
-        weights = logit_weights_in_pieces_(out, row.float(), shift[b : b + 1], part)
+        weights = logit_weights_divided_(out, row.float(), shift[b : b + 1], part, in_pieces=True)
         below = torch.where(weights < cut_k[b], weights, 0.0)
         bounds.append(below.sum(-1, dtype=torch.float64) + kept_k[b])
     return torch.cat(bounds)
@@ -182,7 +183,8 @@ def exact_masses(
             stop = min(start + step, vocab)
             out = scratch[:, : stop - start]
             piece = logits[b : b + 1, start:stop]
-            sums.append(block_sums(logit_weights_in_pieces_(out, piece, shift[b : b + 1], part)))
+            weights = logit_weights_divided_(out, piece, shift[b : b + 1], part, in_pieces=True)
+            sums.append(block_sums(weights))
         masses.append(torch.cat(sums, 1).sum(-1))
     return torch.cat(masses)
 

@@ -189,14 +189,15 @@ def min_p_candidates(logits: Tensor | None, controls: Controls) -> Controls | No
     """Controls the candidate path serves in place of ``controls`` when these have no top-k but
     a min-p on every row (CPU eager), or None.
 
-    Min-p keeps ``w >= min_p`` (the largest weight is 1), usually a few tokens. If fewer than
-    :data:`MIN_P_CANDIDATES` do in every row, a top-k of that many cuts nothing min-p keeps,
-    so the kept set is the same with it: ``top_k = MIN_P_CANDIDATES`` then gives the general
-    path's numbers. Top-p's mass is unchanged too: in the ``"vllm"`` order it is min-p's
-    survivors', in the others the whole row's, which the ``"joint"`` order reads. Whether
-    the survivors are that few is known only once the candidates are weighed:
-    :func:`draw` with ``few_survivors=True`` checks it before any uniform is drawn and
-    returns None otherwise (the caller then takes the general path with ``controls``).
+    Min-p keeps ``w >= min_p`` (the largest weight is 1), usually a few tokens. A top-k with
+    more candidates than min-p keeps in every row cuts none of them, so the kept set is the
+    same with it and the candidate path gives the general path's numbers. Top-p's mass is
+    unchanged too: in the ``"vllm"`` order it is min-p's survivors', in the others the whole
+    row's, which the ``"joint"`` order reads. The returned ``top_k`` is the most candidates
+    allowed (:data:`MIN_P_CANDIDATE_ENTRIES`); :func:`draw` with ``few_survivors=True`` picks
+    the count from the block maxima (:func:`_survivor_candidates`), checks on the weighed
+    candidates, before any uniform is drawn, that the survivors are fewer, and returns None
+    otherwise (the caller then takes the general path with ``controls``).
     """
     min_p = controls.min_p
     if controls.top_k is not None or min_p is None or logits is None:

@@ -126,6 +126,7 @@ class _Stalls:
 
 
 _STALLS = _Stalls()
+_now = time.monotonic  # the holds' clock (a name the tests replace)
 
 
 def forget_stalls() -> None:
@@ -133,8 +134,6 @@ def forget_stalls() -> None:
     time a quiet machine right after a loaded one."""
     global _STALLS
     _STALLS = _Stalls()
-
-_now = time.monotonic  # the holds' clock (a name the tests replace)
 
 
 def watched(device: torch.device, run: Callable[[], T]) -> T:

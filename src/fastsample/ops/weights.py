@@ -87,28 +87,25 @@ def logit_weights_(out: Tensor, logits: Tensor, shift: Tensor, temperature: Cont
 
 
 def logit_weights_divided_(
-    out: Tensor, logits: Tensor, shift: Tensor, divisor: Tensor | float | None
+    out: Tensor,
+    logits: Tensor,
+    shift: Tensor,
+    divisor: Tensor | float | None,
+    in_pieces: bool = False,
 ) -> Tensor:
-    """:func:`logit_weights_` with the :func:`temperature_divisor` computed beforehand."""
+    """:func:`logit_weights_` with the :func:`temperature_divisor` computed beforehand.
+
+    ``in_pieces``: for the chains of small ops (``out`` under torch's parallel grain), the
+    ``exp`` in pieces that open no parallel region (:func:`fastsample.ops.threads.exp_`); the
+    same numbers.
+    """
     torch.sub(logits, shift[:, None], out=out)
     if divisor is not None:
         out.div_(divisor)
     # exp, not exp2 (2.6x faster on an AMD host): torch's CPU exp2 rounds the scalar tail of
     # its loop differently from the vector body, which would split ties and make a row's bits
     # depend on its place in the batch.
-    return out.exp_()
-
-
-def logit_weights_in_pieces_(
-    out: Tensor, logits: Tensor, shift: Tensor, divisor: Tensor | float | None
-) -> Tensor:
-    """:func:`logit_weights_divided_` for the chains of small ops (``out`` under torch's
-    parallel grain): the same numbers, its ``exp`` in pieces that open no parallel region
-    (:func:`fastsample.ops.threads.exp_`)."""
-    torch.sub(logits, shift[:, None], out=out)
-    if divisor is not None:
-        out.div_(divisor)
-    return threads.exp_(out)
+    return threads.exp_(out) if in_pieces else out.exp_()
 
 
 def prob_weights_(out: Tensor, probs: Tensor, scale: Tensor, temperature: Control) -> Tensor:

@@ -110,7 +110,7 @@ def _softmax_mass(scores: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
                 torch.sum(probs[:, full * BLOCK :], -1, out=tails[start:stop])
             torch.gather(probs, 1, first[start:stop], out=at_first[start:stop])
 
-    if serial or scores.numel() < threads.PARALLEL_PASS_ELEMENTS:
+    if serial:
         pieces()
     else:  # parallel regions over a long input: watched for stalls (fastsample.ops.threads)
         threads.watched(scores.device, pieces)
