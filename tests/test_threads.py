@@ -96,6 +96,44 @@ def test_a_call_never_changes_the_thread_count(monkeypatch, serial):
     assert seen == {before} and torch.get_num_threads() == before
 
 
+@pytest.mark.skipif(
+    torch.get_num_threads() < 2 or threads._loaded_openmp() is None,
+    reason="needs two torch threads on an OpenMP runtime",
+)
+def test_a_serial_call_runs_on_its_thread_alone(monkeypatch):
+    """An entry point's call runs with its thread's OpenMP count at 1 where the passes would
+    run in pieces (small inputs, the serial setting, a hold), keeps torch's threads
+    elsewhere, and gives the count back after returning or raising."""
+    seen = []
+
+    @threads.one_thread_calls
+    def probe(x, fail=False):
+        seen.append(torch.get_num_threads())
+        if fail:
+            raise ValueError("inside the call")
+
+    before = torch.get_num_threads()
+    big = torch.zeros(threads.PARALLEL_PASS_ELEMENTS)
+    small = torch.zeros(threads.PARALLEL_PASS_ELEMENTS // 2)
+    monkeypatch.setenv(threads.SERIAL_ENV, "")
+    threads.forget_stalls()
+    try:
+        probe(big), probe(small), probe(torch.zeros(10))
+        assert seen == [before, 1, before]  # the grain's small ops open no region anyway
+        threads.judge(1.0, 0.0)  # a stalled region: the hold
+        probe(big)
+        with pytest.raises(ValueError, match="inside the call"):
+            probe(big, fail=True)
+        assert seen[3:] == [1, 1] and torch.get_num_threads() == before
+        monkeypatch.setenv(threads.SERIAL_ENV, "0")
+        probe(small)
+        monkeypatch.setenv(threads.SERIAL_ENV, "1")
+        probe(big)
+        assert seen[5:] == [before, 1] and torch.get_num_threads() == before
+    finally:
+        threads.forget_stalls()
+
+
 def test_serial_mode_gives_the_same_results(monkeypatch):
     results = {}
     for serial in ("0", "1"):
@@ -149,6 +187,7 @@ _WAKEUPS = r"""
 import os, sys, threading, time
 import torch
 import fastsample as fs
+from fastsample.ops import threads
 
 GRAIN_TEST = int(sys.argv[1])
 
@@ -204,6 +243,20 @@ if workload == "engine":
             logprobs_mode=mode, token_ranks=True,
         )
         calls.append(lambda params=params: fs.sample_step(x, params=params, state=stats, step=1))
+    # The general path (no top-k: the weights of every entry, top-p's radix), min-p's
+    # candidates and verification: whole-row ops the passes' pieces never covered.
+    target = torch.softmax(torch.randn(batch, 3, vocab, generator=gen), -1)
+    drafts = torch.randint(0, vocab, (batch, 2), generator=gen)
+    calls += [
+        lambda: fs.sample(x, temperature=0.7),
+        lambda: fs.sample(x, temperature=0.8, top_p=0.9, seed=5),
+        lambda: fs.sample(x, temperature=rows * 0.8, min_p=rows * 0.05),
+    ]
+    # Verification reads 3 positions a row: in pieces by default below the passes' size only
+    # (or in the serial mode, or held: sys.argv[4]).
+    serial = os.environ[threads.SERIAL_ENV] == "1" or len(sys.argv) > 4
+    if target.numel() < threads.PARALLEL_PASS_ELEMENTS or serial:
+        calls.append(lambda: fs.verify_chain(target, drafts, seed=torch.arange(batch)))
 else:  # the negative control: the default mode's one-region pass over the logits
     calls = [lambda: fs.sample(x, top_k=50, temperature=0.7)]
 for call in calls:
@@ -211,7 +264,6 @@ for call in calls:
 torch.ones(GRAIN_TEST).sum()  # a region, then let the workers go to sleep
 before = settled()
 if len(sys.argv) > 4:  # a stalled region seen just now: the passes are held in pieces
-    from fastsample.ops import threads
     threads._STALLS.hold = 600.0  # the whole test, however slow the machine
     assert threads.judge(1.0, 0.0)
 for call in calls:

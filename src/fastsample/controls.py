@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .kernels import backend as kernel_backend  # imports no triton
+from .ops import threads
 from .ops.cuts import keep_at_least, predecessor, row_cuts
 from .ops.inverse_cdf import block_sums
 from .ops.select import block_maxima, first_argmax
@@ -111,6 +112,7 @@ def processed_weights(
     return Processed(weights, sums, total, valid, greedy, greedy_ids, maxima)
 
 
+@threads.one_thread_calls
 def process(
     logits: Tensor | None = None,
     probs: Tensor | None = None,

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .kernels import backend
+from .ops import threads
 from .ops import validation as v
 from .ops.inverse_cdf import inverse_cdf_draw, row_summaries
 from .ops.noise import UniformSource
@@ -90,6 +91,7 @@ def _checked_source(
     return source
 
 
+@threads.one_thread_calls
 def sample_from_probs(
     probs: Tensor,
     num_samples: int = 1,
@@ -155,6 +157,7 @@ def sample_from_probs(
     return _draw(probs, num_samples, method, source)
 
 
+@threads.one_thread_calls
 def fast_sample(
     probs: Tensor,
     num_samples: int = 1,
@@ -208,6 +211,7 @@ def fast_sample(
     return probs.gather(1, token_ids), token_ids
 
 
+@threads.one_thread_calls
 def sample(
     logits: Tensor | None = None,
     probs: Tensor | None = None,

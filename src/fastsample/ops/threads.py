@@ -17,31 +17,32 @@ The thread count is the caller's: the library never calls ``torch.set_num_thread
 process-wide, other threads would see it change during a call, and vLLM's CPU worker replaces
 it with a warning). Instead:
 
-* the chains of small ops are shaped to stay under those grains (per-row tables of a few
-  hundred entries, candidate lists, rows in pieces, ``gather``/``scatter`` on flat views
-  rather than advanced indexing, ``exp`` in pieces of :data:`VML_GRAIN`), so they open no
-  region whatever the thread count (``tests/test_threads.py`` counts the worker threads'
-  wake-ups);
-* the few passes over the whole input (the block maxima of the logits, the copy into the
-  stages' buffer, the raw log normalizer) run in pieces under the grain when the input is
-  small (fewer than :data:`PARALLEL_PASS_ELEMENTS`, B <= 8 at V = 128,256: the second thread
-  would save tens of microseconds and risk milliseconds), and keep torch's threads above: one
-  region per pass, ~2.5x faster than one thread on the quiet 2-core machine at B=64;
-* the small-top-k path's candidate scan (a copy of the ``k`` best blocks of each row, their
-  groups' maxima, the entries reaching the floor) counts as such a pass at large batches
-  (:func:`serial_scan`: B x k x 256 entries counted double, as they cost ~2.5x a pass's per
-  entry): at B=64, k=50 it is three regions, 0.8 -> 0.3 ms on the quiet 2-core machine;
-* those passes watch themselves (:func:`watched`): a region whose threads did not run
-  together (the calling thread's CPU time over the pass well under its wall time: it was
-  descheduled, or it finished its share and slept waiting for a descheduled worker; on a
-  quiet machine it works, then spins briefly, ~100% of the time) sends every pass to pieces
-  for a while (:data:`HOLD_S`, doubling while the next region tried stalls too, up to
-  :data:`HOLD_MAX_S`); on a quiet machine no region stalls and nothing changes. This is the
-  library's own state (no torch setting), and it changes speed only: the pieces give the
-  same numbers;
-* ``FASTSAMPLE_CPU_SERIAL`` (read at every call) overrides that: ``1`` runs every pass in
-  pieces (a call then opens no parallel region at all), ``0`` runs every pass as one op
-  (never watched).
+* a public call (:func:`one_thread_calls`: ``sample``, ``sample_step``, ``verify_chain``, ...)
+  runs on the calling thread alone where a second thread would risk more than it saves: its
+  input is under :data:`PARALLEL_PASS_ELEMENTS` (B <= 8 at V = 128,256), ``FASTSAMPLE_CPU_SERIAL``
+  is ``1``, or a hold is on (below). For the call's duration the calling thread's own OpenMP
+  thread count is 1 (``omp_set_num_threads`` on the runtime torch already loaded: a setting
+  of that thread only, put back when the call returns or raises), so no op of the call opens
+  a region, every path included (the general path's weights pass and radix, the penalties,
+  the logprobs, verification), and each op runs whole;
+* larger calls keep torch's threads, and their passes over the whole input (the block maxima
+  of the logits, the copy into the stages' buffer, the raw log normalizer, and the
+  small-top-k path's candidate scan, which counts double: :func:`serial_scan`) watch
+  themselves (:func:`watched`): a region whose threads did not run together (the calling
+  thread's CPU time over the pass well under its wall time: it was descheduled, or it
+  finished its share and slept waiting for a descheduled worker; on a quiet machine it works,
+  then spins briefly, ~100% of the time) starts a hold (:data:`HOLD_S`, doubling while the
+  next region tried stalls too, up to :data:`HOLD_MAX_S`) during which the calls run on one
+  thread; on a quiet machine no region stalls and nothing changes. This is the library's own
+  state (no torch setting), and it changes speed only;
+* where torch runs on no OpenMP runtime this can find (another parallel backend), the chains
+  of small ops still open no region: they are shaped to stay under those grains (per-row
+  tables of a few hundred entries, candidate lists, rows in pieces, ``gather``/``scatter`` on
+  flat views rather than advanced indexing, ``exp`` in pieces of :data:`VML_GRAIN`), and the
+  passes above run in pieces under the grain instead (:func:`serial_passes`), the general
+  path's full-row ops excepted;
+* ``FASTSAMPLE_CPU_SERIAL`` (read at every call) overrides the choice: ``1`` runs every call
+  on one thread, ``0`` keeps torch's threads always (never watched).
 
 Results never depend on any of this: every reduction here sums or compares within a row (or a
 block) in the same order whatever the pieces and the thread count.
@@ -49,10 +50,13 @@ block) in the same order whatever the pieces and the thread count.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import glob
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -167,6 +171,91 @@ def judge(wall: float, cpu: float) -> bool:
     _STALLS.serial_until = _now() + _STALLS.hold
     _STALLS.hold = min(2 * _STALLS.hold, HOLD_MAX_S)
     return True
+
+
+# ---------------------------------------------------------------- a call on one thread
+
+
+class _Runtime:
+    """The OpenMP runtime torch's CPU ops run on (found once), or None where there is none to
+    be found: another parallel backend, or no runtime already loaded from torch's folders."""
+
+    def __init__(self) -> None:
+        self.searched = False
+        self.library: Any = None
+
+
+_RUNTIME = _Runtime()
+_OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+
+def _loaded_openmp() -> Any:
+    """The ``ctypes`` handle of the OpenMP runtime torch uses, if it is already loaded and
+    answers for torch (setting the calling thread's count through it changes what
+    ``torch.get_num_threads()`` says on this thread, and the old count is put back)."""
+    if _RUNTIME.searched:
+        return _RUNTIME.library
+    _RUNTIME.searched = True
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    folder = os.path.dirname(torch.__file__)
+    paths = [
+        path
+        for pattern in (os.path.join(folder, "lib", "*"), os.path.join(folder + ".libs", "*"))
+        for path in sorted(glob.glob(pattern))
+        if os.path.basename(path).startswith(_OPENMP_NAMES)
+    ]
+    if os.path.exists("/proc/self/maps"):  # a runtime torch found outside its own folders
+        with open("/proc/self/maps") as maps:
+            paths += sorted(
+                {line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1]}
+            )
+    before = torch.get_num_threads()  # also torch's own first setting of this thread's count
+    for path in paths:
+        try:  # RTLD_NOLOAD: only a runtime already in the process, never a second one
+            library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+            library.omp_set_num_threads(before + 1)
+            answers = torch.get_num_threads() == before + 1
+            library.omp_set_num_threads(before)
+        except (OSError, AttributeError):
+            continue
+        if answers and torch.get_num_threads() == before:
+            _RUNTIME.library = library
+            break
+    return _RUNTIME.library
+
+
+def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
+    """A public entry point whose CPU calls run on the calling thread alone where
+    :func:`serial_passes` says so for its input (the largest tensor argument): small inputs,
+    ``FASTSAMPLE_CPU_SERIAL=1``, and during a hold after a stalled region.
+
+    For the call's duration the calling thread's own OpenMP thread count is 1 (the OpenMP
+    setting of that thread alone: other threads, and ``torch.get_num_threads()`` everywhere
+    once the call returns, see no change), so no op of the call opens a parallel region:
+    every path, not only the passes shaped into pieces, and each op whole (no pieces to
+    dispatch). Where torch runs on no OpenMP runtime that can be found this way, the passes
+    fall back to their pieces. The results do not depend on it (module docstring)."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> T:
+        if torch.compiler.is_compiling():
+            return function(*args, **kwargs)
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+        source = max(tensors, key=Tensor.numel, default=None)
+        if source is None or not serial_passes(source.device, source.numel()):
+            return function(*args, **kwargs)
+        runtime = _loaded_openmp()
+        if runtime is None:
+            return function(*args, **kwargs)
+        count = torch.get_num_threads()
+        runtime.omp_set_num_threads(1)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            runtime.omp_set_num_threads(count)
+
+    return call
 
 
 def serial_scan(device: torch.device, entries: int) -> bool:

@@ -146,6 +146,7 @@ def _prepare(
     return _Prepared(scores, raw, is_logits, params.rows_ok)
 
 
+@threads.one_thread_calls
 def sample_step(
     logits: Tensor | None = None,
     probs: Tensor | None = None,
@@ -262,6 +263,7 @@ def staged_logits(
     return scores.clone() if scores is source else scores
 
 
+@threads.one_thread_calls
 def process_step(
     logits: Tensor,
     params: StepParams,

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import backend
+from ..ops import threads
 from ..ops import validation as v
 from ..stages import StepParams, TokenStats
 from . import targets
@@ -49,6 +50,7 @@ class VerifyOutput(NamedTuple):
     valid: Tensor
 
 
+@threads.one_thread_calls
 def verify_chain(
     target_probs: Tensor | None = None,
     draft_token_ids: Tensor | None = None,

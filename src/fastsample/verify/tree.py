@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import backend
+from ..ops import threads
 from ..ops import validation as v
 from ..stages import StepParams, TokenStats
 from . import targets
@@ -215,6 +216,7 @@ def _device_structure(parents: Tensor, batch: int) -> _Structure:
     return _Structure(first_child[:, :n], next_sibling, ok, bound, bound, parent)
 
 
+@threads.one_thread_calls
 def verify_tree(
     target_probs: Tensor | None = None,
     tree: TokenTree | None = None,
