@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -103,12 +104,17 @@ def test_a_call_never_changes_the_thread_count(monkeypatch, serial):
 def test_a_serial_call_runs_on_its_thread_alone(monkeypatch):
     """An entry point's call runs with its thread's OpenMP count at 1 where the passes would
     run in pieces (small inputs, the serial setting, a hold), keeps torch's threads
-    elsewhere, and gives the count back after returning or raising."""
+    elsewhere (until one of its passes stalls), and gives the count back after returning or
+    raising."""
     seen = []
 
     @threads.one_thread_calls
-    def probe(x, fail=False):
+    def probe(x, fail=False, stall=False, idle=0.0):
         seen.append(torch.get_num_threads())
+        time.sleep(idle)  # the calling thread off the CPU, as when its region waits
+        if stall:  # a pass of this call saw its region stall: the rest runs on one thread
+            threads.judge(1.0, 0.0)
+            seen.append(torch.get_num_threads())
         if fail:
             raise ValueError("inside the call")
 
@@ -130,6 +136,18 @@ def test_a_serial_call_runs_on_its_thread_alone(monkeypatch):
         monkeypatch.setenv(threads.SERIAL_ENV, "1")
         probe(big)
         assert seen[5:] == [before, 1] and torch.get_num_threads() == before
+        monkeypatch.setenv(threads.SERIAL_ENV, "")
+        threads.forget_stalls()
+        probe(big, stall=True)
+        assert seen[7:] == [before, 1] and torch.get_num_threads() == before
+        probe(big)  # held
+        assert seen[9:] == [1] and torch.get_num_threads() == before
+        threads.forget_stalls()
+        probe(big, idle=0.01)  # the whole call is judged: it ran 0.01 s on ~no CPU time
+        assert threads._STALLS.stalled == 1 and threads.serial_passes(big.device, big.numel())
+        threads.forget_stalls()
+        probe(big)  # negative control: a quick call is not judged, a busy one never stalls
+        assert threads._STALLS.stalled == 0 and seen[10:] == [before, before]
     finally:
         threads.forget_stalls()
 

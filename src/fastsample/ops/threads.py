@@ -54,6 +54,7 @@ import ctypes
 import functools
 import glob
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -170,6 +171,8 @@ def judge(wall: float, cpu: float) -> bool:
     _STALLS.stalled += 1
     _STALLS.serial_until = _now() + _STALLS.hold
     _STALLS.hold = min(2 * _STALLS.hold, HOLD_MAX_S)
+    if _CALL.count:  # the rest of this call on one thread too (its entry point restores it)
+        _CALL.runtime.omp_set_num_threads(1)
     return True
 
 
@@ -241,21 +244,44 @@ def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
     def call(*args: Any, **kwargs: Any) -> T:
         if torch.compiler.is_compiling():
             return function(*args, **kwargs)
+        if _CALL.count:  # inside another entry point's call: its choice stands
+            return function(*args, **kwargs)
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
         source = max(tensors, key=Tensor.numel, default=None)
-        if source is None or not serial_passes(source.device, source.numel()):
+        if source is None or source.device.type != "cpu" or source.numel() < GRAIN:
             return function(*args, **kwargs)
         runtime = _loaded_openmp()
-        if runtime is None:
-            return function(*args, **kwargs)
         count = torch.get_num_threads()
-        runtime.omp_set_num_threads(1)
+        if runtime is None or count == 1:
+            return function(*args, **kwargs)
+        serial = serial_passes(source.device, source.numel())
+        if serial:
+            runtime.omp_set_num_threads(1)
+        _CALL.count, _CALL.runtime = count, runtime
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             return function(*args, **kwargs)
         finally:
-            runtime.omp_set_num_threads(count)
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+            _CALL.count = 0
+            if serial or torch.get_num_threads() != count:
+                runtime.omp_set_num_threads(count)
+            elif wall >= WATCH_FROM_S and os.environ.get(SERIAL_ENV, "") in ("", "auto"):
+                judge(wall, cpu)  # the whole call, as a pass's region is judged
 
     return call
+
+
+class _Call(threading.local):
+    """The entry point's call running on this thread: the thread count it found (0: none
+    running) and the runtime that sets it, so that a pass that stalls can send the rest of the
+    call to one thread (:func:`judge`)."""
+
+    count = 0
+    runtime: Any = None
+
+
+_CALL = _Call()
 
 
 def serial_scan(device: torch.device, entries: int) -> bool:
