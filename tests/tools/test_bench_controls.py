@@ -48,6 +48,34 @@ def test_controls_bench_runs_every_setting(tmp_path, capsys):
     assert {"fs.step", "fs.step+pen+lp", "fs.step+pen+lp.raw"} <= step_rows
 
 
+def test_cold_calls_are_timed_after_each_workload(tmp_path, capsys):
+    """``--cold``: every fastsample row has its median right after the matmul and after the
+    sort pipeline, and each workload ran before every timed cold call."""
+    ran = {"matmul": 0, "sort": 0}
+    real = bench_controls.cold_workloads
+
+    def counted(batch, vocab, device):
+        workloads = real(batch, vocab, device)
+        return {
+            name: (lambda name=name, w=w: (ran.__setitem__(name, ran[name] + 1), w())[1])
+            for name, w in workloads.items()
+        }
+
+    bench_controls.cold_workloads, path = counted, tmp_path / "cold.json"
+    try:
+        argv = ["bench", "--controls", "--cold", "--batch", "2", "--vocab", "700",
+                "--setting", "k=50", "--contender", "fs", "--repeats", "2",
+                "--min-repeats", "1", "--warmup", "0", "--json", str(path)]  # fmt: skip
+        assert main(argv) == 0
+    finally:
+        bench_controls.cold_workloads = real
+    rows = {r["contender"]: r for r in json.loads(path.read_text())["results"]}
+    assert rows["fs"]["after_matmul_ms"] > 0 and rows["fs"]["after_sort_ms"] > 0
+    assert rows["fs"]["cold"] > 0 and rows["hf"]["cold"] is None  # fastsample's rows only
+    assert ran == {"matmul": bench_controls.COLD_ROUNDS, "sort": bench_controls.COLD_ROUNDS}
+    assert "matmul ms" in capsys.readouterr().out
+
+
 def test_fresh_logits_cycle_through_the_pool():
     """``--fresh N``: every contender's calls take the pool's tensors in turn."""
     pool = [torch.randn(2, 700) for _ in range(3)]

@@ -134,6 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(bounded, stopped at the end) and report each row's slowdown under that load",
     )
     parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="with --controls: also time fastsample right after a model-sized matmul and "
+        "after a sort pipeline (an engine's sampler runs right after the model's forward)",
+    )
+    parser.add_argument(
         "--fresh",
         type=int,
         metavar="N",

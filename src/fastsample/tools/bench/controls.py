@@ -36,7 +36,11 @@ and ``sglang``, and the multiple of one read pass over the logits (``logits.sum(
 ``--batch`` given is run in turn (default 64). With ``--busy N`` each setting is timed twice,
 quiet and then beside ``N`` busy-loop processes (:mod:`.busy`; bounded, stopped at the end):
 the ``busy ms`` column and the ``slowdown`` (busy / quiet) of every row show how a sampler
-fares on a shared machine. Timing as in the main benchmark
+fares on a shared machine. With ``--cold`` each fastsample contender is also timed right
+after a large unrelated workload, as an engine calls its sampler right after the model's
+forward (:data:`COLD_WORKLOADS`: a model-sized matmul, and HF's sort pipeline on other
+logits): the ``matmul ms`` and ``sort ms`` columns, and ``cold`` (the larger of the two over
+the steady median). Timing as in the main benchmark
 (:func:`.harness.time_interleaved`), with every timed call right after untimed
 calls of the same contender (:data:`WARM_S`): each is timed in its own steady state, as a
 sampler called step after step, whichever contender ran before it (``hf`` and
@@ -169,6 +173,9 @@ class Row:
     busy_ms: float | None = None  # the median beside --busy N busy loops
     slowdown: float | None = None  # busy_ms / median_ms
     batch: int | None = None
+    after_matmul_ms: float | None = None  # --cold: the median right after each workload
+    after_sort_ms: float | None = None
+    cold: float | None = None  # the larger of the two / median_ms
 
 
 PEERS = {"hf": "speedup_vs_hf", "vllm": "speedup_vs_vllm", "sglang": "speedup_vs_sglang"}
@@ -264,6 +271,50 @@ def setting_calls(
     return calls
 
 
+COLD_HIDDEN, COLD_WIDTH = 4096, 14336
+"""The matmul workload: ``(B, 4096) @ (4096, 14336)``, a 7-8B model's MLP projection (a
+235 MB float32 weight read at every call)."""
+
+COLD_ROUNDS = 6
+"""Cold calls timed per contender and workload (the median is reported)."""
+
+
+def cold_workloads(batch: int, vocab: int, device: torch.device) -> dict[str, Call]:
+    """The large unrelated workloads a cold call follows (``--cold``), built once: a
+    model-sized matmul and HF's sort pipeline (top-p 0.9) on logits of their own."""
+    gen = torch.Generator(device=device).manual_seed(12345)
+    hidden = torch.randn(batch, COLD_HIDDEN, generator=gen, device=device)
+    weight = torch.randn(COLD_HIDDEN, COLD_WIDTH, generator=gen, device=device)
+    other = torch.randn(max(batch, 64), vocab, generator=gen, device=device) * LOGIT_SCALE
+    sort_controls = {"temperature": 0.7, "top_p": 0.9}
+    return {
+        "matmul": lambda: hidden @ weight,
+        "sort": lambda: hf_pipeline(other, sort_controls),
+    }
+
+
+def cold_medians(
+    calls: dict[str, Call], workloads: dict[str, Call], rounds: int = COLD_ROUNDS
+) -> dict[str, dict[str, float]]:
+    """Median ms of each fastsample contender's call right after each workload (two
+    untimed calls of its own between rounds, so each round starts from its steady state)."""
+    out: dict[str, dict[str, float]] = {}
+    for contender, call in calls.items():
+        if not contender.startswith("fs"):
+            continue
+        out[contender] = {}
+        for name, workload in workloads.items():
+            seconds = []
+            for _ in range(rounds):
+                call(), call()
+                workload()
+                start = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - start)
+            out[contender][name] = statistics.median(seconds) * 1e3
+    return out
+
+
 def _medians(calls: dict[str, Call], device: torch.device, timing: Timing) -> dict[str, float]:
     times = time_interleaved(calls, device, timing, warm_s=WARM_S)
     return {contender: statistics.median(seconds) * 1e3 for contender, seconds in times.items()}
@@ -277,13 +328,16 @@ def run_setting(
     busy: int = 0,
     only: list[str] | None = None,
     pool: list[Tensor] | None = None,
+    workloads: dict[str, Call] | None = None,
 ) -> list[Row]:
-    """Time every contender for one setting, interleaved (then again beside ``busy``
-    busy-loop processes if ``busy``); rows in display order."""
+    """Time every contender for one setting, interleaved (then right after each of
+    ``workloads`` if given, and beside ``busy`` busy-loop processes if ``busy``); rows in
+    display order."""
     calls = setting_calls(name, logits, peers, only, pool)
     # A quiet machine: no hold left from an earlier busy phase (fastsample.ops.threads).
     threads.forget_stalls()
     quiet = _medians(calls, logits.device, timing)
+    cold = cold_medians(calls, workloads) if workloads else {}
     loaded = None
     if busy:
         with busy_loops(busy):
@@ -299,6 +353,10 @@ def run_setting(
         if loaded is not None:
             row.busy_ms = loaded[contender]
             row.slowdown = row.busy_ms / median
+        if contender in cold:
+            row.after_matmul_ms = cold[contender]["matmul"]
+            row.after_sort_ms = cold[contender]["sort"]
+            row.cold = max(cold[contender].values()) / median
         rows.append(row)
     return rows
 
@@ -311,17 +369,18 @@ def _fmt(x: float | None, unit: str = "") -> str:
 
 HEADER = ("setting", "contender", "median ms", "vs hf", "vs vllm", "vs sglang", "read passes")
 BUSY_HEADER = ("busy ms", "slowdown")
+COLD_HEADER = ("matmul ms", "sort ms", "cold")
 
 
 def _line(cells: tuple[str, ...]) -> str:
-    widths = (18, 19, 10, 8, 8, 9, 11, 10, 9)[: len(cells)]
+    widths = (18, 19, 10, 8, 8, 9, 11, 10, 9, 10, 9, 7)[: len(cells)]
     return "  ".join(
         f"{c:<{w}}" if i < 2 else f"{c:>{w}}"
         for i, (c, w) in enumerate(zip(cells, widths, strict=True))
     ).rstrip()
 
 
-def print_rows(rows: list[Row], out: TextIO) -> None:
+def print_rows(rows: list[Row], out: TextIO, busy: bool = False, cold: bool = False) -> None:
     for r in rows:
         cells = (
             r.setting,
@@ -332,8 +391,10 @@ def print_rows(rows: list[Row], out: TextIO) -> None:
             _fmt(r.speedup_vs_sglang, "x"),
             _fmt(r.read_passes, "x"),
         )
-        if r.busy_ms is not None:
+        if busy:
             cells += (_fmt(r.busy_ms), _fmt(r.slowdown, "x"))
+        if cold:
+            cells += (_fmt(r.after_matmul_ms), _fmt(r.after_sort_ms), _fmt(r.cold, "x"))
         print(_line(cells), file=out)
     print(file=out, flush=True)
 
@@ -352,7 +413,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--setting {' '.join(globs or [])} matches none of {list(SETTINGS)}")
     timing = timing_from_args(args)
     info = machine_info(device)
+    cold = bool(getattr(args, "cold", False))
     load = f"; each setting also beside {busy} busy-loop processes" if busy else ""
+    load += "; fastsample also right after a matmul and a sort pipeline (cold)" if cold else ""
     print(
         f"fastsample bench --controls: torch {info['torch']}, {info['device_name']} ({device}), "
         f"{info['torch_threads']} threads; float32 logits V={vocab}{load}\n"
@@ -368,20 +431,23 @@ def run(args: argparse.Namespace) -> int:
         ]
         logits = pool[0]
         print(f"B={batch} V={vocab}" + (f", {fresh} logits tensors in turn" if fresh > 1 else ""))
-        print(_line(HEADER + (BUSY_HEADER if busy else ())))
+        print(_line(HEADER + (BUSY_HEADER if busy else ()) + (COLD_HEADER if cold else ())))
+        workloads = cold_workloads(batch, vocab, device) if cold else None
         for name in settings:
             setting_rows = run_setting(
-                name, logits, timing, busy=busy, only=args.contender, pool=pool
-            )
-            print_rows(setting_rows, sys.stdout)
+                name, logits, timing, busy=busy, only=args.contender, pool=pool,
+                workloads=workloads,
+            )  # fmt: skip
+            print_rows(setting_rows, sys.stdout, busy=bool(busy), cold=cold)
             rows.extend(setting_rows)
     print(
         f"done in {time.perf_counter() - start:.1f} s. vs hf/vllm/sglang: that pipeline's time "
         "/ this time; read passes: this time / one logits.sum(-1)"
         + ("; slowdown: busy ms / median ms" if busy else "")
+        + ("; cold: the slower of matmul ms and sort ms / median ms" if cold else "")
     )
     if args.json:
-        config = {"batch": batches, "vocab": vocab, "busy": busy, "fresh": fresh}
+        config = {"batch": batches, "vocab": vocab, "busy": busy, "fresh": fresh, "cold": cold}
         config["controls"] = {n: SETTINGS[n] for n in settings}
         save_json(args.json, rows, info, config)
         print(f"saved {args.json}")
