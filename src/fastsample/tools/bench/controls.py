@@ -372,12 +372,23 @@ BUSY_HEADER = ("busy ms", "slowdown")
 COLD_HEADER = ("matmul ms", "sort ms", "cold")
 
 
-def _line(cells: tuple[str, ...]) -> str:
-    widths = (18, 19, 10, 8, 8, 9, 11, 10, 9, 10, 9, 7)[: len(cells)]
+WIDTHS = dict(
+    zip(HEADER + BUSY_HEADER + COLD_HEADER, (18, 19, 10, 8, 8, 9, 11, 10, 9, 10, 9, 7), strict=True)
+)
+"""Each column's width, by its header."""
+
+
+def _line(cells: tuple[str, ...], columns: tuple[str, ...]) -> str:
+    widths = [WIDTHS[c] for c in columns]
     return "  ".join(
         f"{c:<{w}}" if i < 2 else f"{c:>{w}}"
         for i, (c, w) in enumerate(zip(cells, widths, strict=True))
     ).rstrip()
+
+
+def columns(busy: bool, cold: bool) -> tuple[str, ...]:
+    """The table's headers: the base ones, then the busy and cold ones if measured."""
+    return HEADER + (BUSY_HEADER if busy else ()) + (COLD_HEADER if cold else ())
 
 
 def print_rows(rows: list[Row], out: TextIO, busy: bool = False, cold: bool = False) -> None:
@@ -395,7 +406,7 @@ def print_rows(rows: list[Row], out: TextIO, busy: bool = False, cold: bool = Fa
             cells += (_fmt(r.busy_ms), _fmt(r.slowdown, "x"))
         if cold:
             cells += (_fmt(r.after_matmul_ms), _fmt(r.after_sort_ms), _fmt(r.cold, "x"))
-        print(_line(cells), file=out)
+        print(_line(cells, columns(busy, cold)), file=out)
     print(file=out, flush=True)
 
 
@@ -431,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         logits = pool[0]
         print(f"B={batch} V={vocab}" + (f", {fresh} logits tensors in turn" if fresh > 1 else ""))
-        print(_line(HEADER + (BUSY_HEADER if busy else ()) + (COLD_HEADER if cold else ())))
+        print(_line(columns(bool(busy), cold), columns(bool(busy), cold)))
         workloads = cold_workloads(batch, vocab, device) if cold else None
         for name in settings:
             setting_rows = run_setting(
