@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..ops import threads
 from ..sampling import fast_sample as fs_fast_sample
 from ..stages import StepParams, sample_step
 from .state import count, warn_once
@@ -162,8 +163,8 @@ class _FastsampleForward:
         if reason is None:
             try:
                 return self._fastsample_forward(
-                    logits_output, sampling_info, return_logprob, top_logprobs_nums,
-                    token_ids_logprobs, positions,
+                    logits_output.next_token_logits, logits_output, sampling_info,
+                    return_logprob, top_logprobs_nums, token_ids_logprobs, positions,
                 )  # fmt: skip
             except Exception as error:  # this step in SGLang's code, the next one here again
                 reason = "error"
@@ -195,9 +196,10 @@ class _FastsampleForward:
             if own:
                 info.sampling_seed = seeds
 
-    def _fastsample_forward(self, logits_output, info, return_logprob, top_nums, token_ids,
-                            positions) -> Tensor:  # fmt: skip
-        logits = self._preprocess_logits(logits_output.next_token_logits, info)
+    @threads.one_thread_calls  # its own passes too: the logits are an argument for that
+    def _fastsample_forward(self, next_token_logits, logits_output, info, return_logprob,
+                            top_nums, token_ids, positions) -> Tensor:  # fmt: skip
+        logits = self._preprocess_logits(next_token_logits, info)
         batch, vocab = logits.shape
         cache = self.__dict__.setdefault("_fastsample_params", ParamsCache())
         params = cache.get(info, batch, vocab, logits.device)

@@ -34,6 +34,7 @@ from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput, SamplingMaskTensors
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
+from ..ops import threads
 from ..stages import process_step, staged_logits
 from ..verify import verify_chain
 from .logprobs import from_full, raw_values
@@ -109,6 +110,7 @@ def draft_probs(draft_logits: Tensor, slots: Tensor, temperature: Tensor, drafts
 class FastsampleRejectionSamplerV2(RejectionSampler):
     """MRV2's ``RejectionSampler`` whose ``__call__`` verifies with fastsample."""
 
+    @threads.one_thread_calls  # the plugin's own passes too (fastsample.ops.threads)
     def __call__(self, logits: Tensor, input_batch, draft_logits: Tensor | None = None,
                  invalid_drafts: Tensor | None = None) -> SamplerOutput:  # fmt: skip
         sampler = self.sampler

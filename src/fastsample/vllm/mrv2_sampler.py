@@ -33,6 +33,7 @@ from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput, SamplingMaskTensors
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 
+from ..ops import threads
 from ..stages import SampleOutput, process_step, sample_step, staged_logits
 from .logprobs import raw_values
 from .mrv2_plan import SlotPlan, SlotPlans
@@ -61,6 +62,7 @@ class FastsampleSamplerV2(Sampler):
         super().add_request(req_idx, sampling_params)
         self.plans.joined(req_idx)
 
+    @threads.one_thread_calls  # the plugin's own passes too (fastsample.ops.threads)
     def __call__(self, logits: Tensor, input_batch) -> SamplerOutput:
         if STATE.delegate:
             CALLS["delegated"] += 1

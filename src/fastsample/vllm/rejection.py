@@ -50,6 +50,7 @@ from torch import Tensor
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
+from ..ops import threads
 from ..stages import TokenStats, staged_logits
 from ..verify import verify_chain
 from ..verify.targets import chain_prefixes, processed_positions
@@ -96,6 +97,7 @@ def residual_at_cuts(probs: Tensor, q: Tensor, lengths: Tensor, counts: Tensor) 
 class FastsampleRejectionSampler(RejectionSampler):
     """vLLM's ``RejectionSampler`` whose ``forward`` verifies with fastsample."""
 
+    @threads.one_thread_calls  # the plugin's own passes too (fastsample.ops.threads)
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         sampler = self.sampler
         if STATE.delegate or not isinstance(sampler, FastsampleSampler):

@@ -20,6 +20,7 @@ from torch import Tensor
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.sampler import Sampler
 
+from ..ops import threads
 from ..stages import sample_step, staged_logits
 from . import grammar
 from .logprobs import as_vllm, from_full, raw_values
@@ -59,6 +60,7 @@ class FastsampleSampler(Sampler):
                 )  # fmt: skip
         return plan
 
+    @threads.one_thread_calls  # the plugin's own passes too (fastsample.ops.threads)
     def forward(
         self,
         logits: Tensor,
