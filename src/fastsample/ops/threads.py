@@ -84,6 +84,11 @@ descheduled thread costs milliseconds (``docs/cpu-primitive-costs.md``)."""
 SERIAL_ENV = "FASTSAMPLE_CPU_SERIAL"
 
 
+def _auto_mode() -> bool:
+    """``FASTSAMPLE_CPU_SERIAL`` unset (or ``auto``): the library chooses and watches."""
+    return os.environ.get(SERIAL_ENV, "") in ("", "auto")
+
+
 def serial_passes(device: torch.device, elements: int) -> bool:
     """Whether a pass over ``elements`` runs in pieces under the grain: CPU eager, more than
     one torch thread, and ``FASTSAMPLE_CPU_SERIAL`` is ``1`` (always), ``0`` (never) or unset
@@ -93,10 +98,9 @@ def serial_passes(device: torch.device, elements: int) -> bool:
         return False
     if torch.get_num_threads() == 1:  # no region can open: one op is fewer dispatches
         return False
-    setting = os.environ.get(SERIAL_ENV, "")
-    if setting in ("", "auto"):
+    if _auto_mode():
         return elements < PARALLEL_PASS_ELEMENTS or _now() < _STALLS.serial_until
-    return setting != "0"
+    return os.environ[SERIAL_ENV] != "0"
 
 
 HOLD_S = 0.5
@@ -150,7 +154,7 @@ def watched(device: torch.device, run: Callable[[], T]) -> T:
         device.type != "cpu"
         or torch.compiler.is_compiling()
         or torch.get_num_threads() == 1
-        or os.environ.get(SERIAL_ENV, "") not in ("", "auto")
+        or not _auto_mode()
     ):
         return run()
     wall, cpu = time.perf_counter(), time.thread_time()
@@ -179,26 +183,15 @@ def judge(wall: float, cpu: float) -> bool:
 # ---------------------------------------------------------------- a call on one thread
 
 
-class _Runtime:
-    """The OpenMP runtime torch's CPU ops run on (found once), or None where there is none to
-    be found: another parallel backend, or no runtime already loaded from torch's folders."""
-
-    def __init__(self) -> None:
-        self.searched = False
-        self.library: Any = None
-
-
-_RUNTIME = _Runtime()
 _OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 
 
+@functools.cache
 def _loaded_openmp() -> Any:
     """The ``ctypes`` handle of the OpenMP runtime torch uses, if it is already loaded and
     answers for torch (setting the calling thread's count through it changes what
-    ``torch.get_num_threads()`` says on this thread, and the old count is put back)."""
-    if _RUNTIME.searched:
-        return _RUNTIME.library
-    _RUNTIME.searched = True
+    ``torch.get_num_threads()`` says on this thread; each runtime tried gets its own count
+    back), or None (another parallel backend, or no such runtime). Searched once."""
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
     folder = os.path.dirname(torch.__file__)
@@ -210,22 +203,21 @@ def _loaded_openmp() -> Any:
     ]
     if os.path.exists("/proc/self/maps"):  # a runtime torch found outside its own folders
         with open("/proc/self/maps") as maps:
-            paths += sorted(
-                {line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1]}
-            )
+            named = {line.split()[-1] for line in maps if "/" in line}
+            paths += sorted(p for p in named if os.path.basename(p).startswith(_OPENMP_NAMES))
     before = torch.get_num_threads()  # also torch's own first setting of this thread's count
     for path in paths:
         try:  # RTLD_NOLOAD: only a runtime already in the process, never a second one
             library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+            own = library.omp_get_max_threads()
             library.omp_set_num_threads(before + 1)
             answers = torch.get_num_threads() == before + 1
-            library.omp_set_num_threads(before)
+            library.omp_set_num_threads(own)
         except (OSError, AttributeError):
             continue
         if answers and torch.get_num_threads() == before:
-            _RUNTIME.library = library
-            break
-    return _RUNTIME.library
+            return library
+    return None
 
 
 def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
@@ -254,19 +246,23 @@ def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
         count = torch.get_num_threads()
         if runtime is None or count == 1:
             return function(*args, **kwargs)
-        serial = serial_passes(source.device, source.numel())
-        if serial:
-            runtime.omp_set_num_threads(1)
         _CALL.count, _CALL.runtime = count, runtime
-        wall, cpu = time.perf_counter(), time.thread_time()
+        if serial_passes(source.device, source.numel()):
+            runtime.omp_set_num_threads(1)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _CALL.count = 0
+                runtime.omp_set_num_threads(count)
+        wall, cpu = time.perf_counter(), time.thread_time()  # a threaded call is watched
         try:
             return function(*args, **kwargs)
         finally:
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             _CALL.count = 0
-            if serial or torch.get_num_threads() != count:
+            if torch.get_num_threads() != count:  # a pass stalled: the rest ran on one thread
                 runtime.omp_set_num_threads(count)
-            elif wall >= WATCH_FROM_S and os.environ.get(SERIAL_ENV, "") in ("", "auto"):
+            elif wall >= WATCH_FROM_S and _auto_mode():
                 judge(wall, cpu)  # the whole call, as a pass's region is judged
 
     return call

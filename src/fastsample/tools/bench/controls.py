@@ -38,7 +38,7 @@ quiet and then beside ``N`` busy-loop processes (:mod:`.busy`; bounded, stopped 
 the ``busy ms`` column and the ``slowdown`` (busy / quiet) of every row show how a sampler
 fares on a shared machine. With ``--cold`` each fastsample contender is also timed right
 after a large unrelated workload, as an engine calls its sampler right after the model's
-forward (:data:`COLD_WORKLOADS`: a model-sized matmul, and HF's sort pipeline on other
+forward (:func:`cold_workloads`: a model-sized matmul, and HF's sort pipeline on other
 logits): the ``matmul ms`` and ``sort ms`` columns, and ``cold`` (the larger of the two over
 the steady median). Timing as in the main benchmark
 (:func:`.harness.time_interleaved`), with every timed call right after untimed
@@ -442,7 +442,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         logits = pool[0]
         print(f"B={batch} V={vocab}" + (f", {fresh} logits tensors in turn" if fresh > 1 else ""))
-        print(_line(columns(bool(busy), cold), columns(bool(busy), cold)))
+        header = columns(bool(busy), cold)
+        print(_line(header, header))
         workloads = cold_workloads(batch, vocab, device) if cold else None
         for name in settings:
             setting_rows = run_setting(
