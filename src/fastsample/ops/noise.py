@@ -41,6 +41,11 @@ class UniformSource(Protocol):
         """``(B, length)`` uniforms for global vocabulary indices ``start .. start+length-1``."""
         ...
 
+    def stage_uniforms(self, num: int) -> Tensor:
+        """``(B, num)`` uniforms for the random stages of the sampler chain (XTC), apart
+        from the draws' and the entries'."""
+        ...
+
 
 class GeneratorSource:
     """Uniforms from a ``torch.Generator`` (or the default one when ``generator`` is None).
@@ -66,6 +71,9 @@ class GeneratorSource:
     def entry_uniforms(self, start: int, length: int) -> Tensor:
         del start  # a stateful generator has no notion of position
         return self._rand(length)
+
+    def stage_uniforms(self, num: int) -> Tensor:
+        return self._rand(num)
 
 
 def exponential_from_uniform(u: Tensor) -> Tensor:

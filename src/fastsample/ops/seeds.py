@@ -63,6 +63,7 @@ class Purpose(IntEnum):
 
     ENTRY = 0  # one per vocabulary entry: the race's noise
     DRAW = 1  # one per row per draw: the inverse CDF
+    STAGE = 2  # one per row per random stage of the sampler chain (XTC's coin)
 
 
 def advance_step(step: Tensor, by: int | Tensor = 1) -> Tensor:
@@ -236,6 +237,9 @@ class CounterSource:
 
     def entry_uniforms(self, start: int, length: int) -> Tensor:
         return self.uniforms(Purpose.ENTRY, start, length)
+
+    def stage_uniforms(self, num: int) -> Tensor:
+        return self.uniforms(Purpose.STAGE, 0, num)
 
 
 HOST_MAX_BLOCKS = 128

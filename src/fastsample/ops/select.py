@@ -117,11 +117,15 @@ def descend(
     return group * _GROUP + inner, above
 
 
-def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
+def descending_threshold(
+    values: Tensor, target: Tensor, by: str, mass: Tensor | None = None
+) -> Tensor:
     """Largest ``t`` with ``Q(t) >= target`` per row, where ``Q(t)`` is the count
     (``by="count"``) or the sum (``by="mass"``) of the entries ``>= t``; ``by="share"`` is
     ``by="mass"`` with ``target`` a fraction of the row's total mass (read off the first
-    round's histogram: no separate pass over the row).
+    round's histogram: no separate pass over the row). ``mass`` (same shape and dtype as
+    ``values``, non-negative): each entry's mass when it is not its value (typical-p orders
+    the tokens by closeness to the entropy but counts their probability).
 
     Args:
         values: ``(B, V)`` contiguous float32 or float64, non-negative (``-0.0`` counts as
@@ -140,10 +144,10 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
         tensor([0.3000])
     """
     if torch.compiler.is_compiling():
-        return _bisect_threshold(values, target, by)
+        return _bisect_threshold(values, target, by, mass)
     batch, vocab = values.shape
     if vocab < _SORT_BELOW:
-        return _sorted_threshold(values, target, by)
+        return _sorted_threshold(values, target, by, mass)
     device, dtype = values.device, values.dtype
     digits = (_ROUNDS if vocab >= _WIDE_FROM else _SHORT_ROW_ROUNDS)[dtype]
     key_bytes = 4 if key_dtype(dtype, device) == torch.int32 else 8
@@ -169,12 +173,15 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
         for start in range(0, batch, rows):
             stop = min(start + rows, batch)
             chunk = (values[start:stop], keys[: stop - start])
+            entries = None if mass is None else mass[start:stop]
             if round_index == 0:
                 real = hist[start:stop, _GROUP:-_GROUP]
-                add_digits(real, *chunk, by, shift=remaining, mask=(1 << width) - 1)
+                add_digits(real, *chunk, by, shift=remaining, mask=(1 << width) - 1,
+                           entries=entries)  # fmt: skip
             else:
                 bounds = {"base": base[start:stop], "floor": dump, "ceiling": ceiling}
-                add_digits(hist[start:stop], *chunk, by, shift=remaining, **bounds)
+                add_digits(hist[start:stop], *chunk, by, shift=remaining, entries=entries,
+                           **bounds)  # fmt: skip
         hist[:, :_GROUP] = 0
         hist[:, -_GROUP:] = 0
         sums = group_sums(hist)
@@ -186,23 +193,26 @@ def descending_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
     return (pattern if dtype == torch.float64 else pattern.to(torch.int32)).view(dtype)
 
 
-def _sorted_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
+def _sorted_threshold(
+    values: Tensor, target: Tensor, by: str, mass: Tensor | None = None
+) -> Tensor:
     """:func:`descending_threshold` by sorting each row (short rows: memory and time a small
     multiple of the input's). Masses are summed in float64 in descending order, so a top-p
     decision can differ from the radix's only where ``target`` is within rounding of a
     cumulative mass."""
     vocab = values.shape[1]
-    ranked = torch.sort(values, dim=1, descending=True).values
+    ranked, order = torch.sort(values, dim=1, descending=True, stable=True)
     if by == "count":
         # The entries >= the ceil(target)-th largest number at least target (ties included).
         position = target.ceil().sub_(1).clamp_(0, vocab - 1).to(torch.int64)[:, None]
     else:
-        mass = ranked.to(torch.float64).cumsum(-1)
+        masses = ranked if mass is None else mass.gather(1, order)
+        running = masses.to(torch.float64).cumsum(-1)
         if by == "share":
-            target = target * mass[:, -1]
-        # The first prefix reaching the target (prefixes of non-negative values only grow):
+            target = target * running[:, -1]
+        # The first prefix reaching the target (prefixes of non-negative masses only grow):
         # its last entry's upper set holds that prefix and any ties after it.
-        position = (mass < target[:, None]).sum(-1, keepdim=True).clamp_max_(vocab - 1)
+        position = (running < target[:, None]).sum(-1, keepdim=True).clamp_max_(vocab - 1)
     return ranked.gather(1, position).squeeze(1)
 
 
@@ -253,10 +263,11 @@ def add_digits(
     base: Tensor | None = None,
     floor: Tensor | None = None,
     ceiling: Tensor | None = None,
+    entries: Tensor | None = None,
 ) -> None:
     """Add one chunk of rows to ``hist``: each entry's count (``by="count"``) or mass (any
-    other ``by``) to the bucket of its bit pattern's digit (``keys``, from
-    :func:`key_scratch`, is scratch).
+    other ``by``: its value, or ``entries`` when given) to the bucket of its bit pattern's
+    digit (``keys``, from :func:`key_scratch`, is scratch).
 
     Round 1 (``mask`` given): bucket ``(pattern >> shift) & mask``; every pattern lands on a
     digit, the sign bit masked off (``-0.0`` with ``0.0``; garbage rows see garbage).
@@ -278,6 +289,8 @@ def add_digits(
         torch.clamp(keys, floor, ceiling, out=keys)
     if by == "count":
         entries = torch.ones((), dtype=hist.dtype, device=keys.device).expand(keys.shape)
+    elif entries is not None:
+        entries = entries.to(hist.dtype)
     elif values.dtype != hist.dtype:  # float64 buckets for float32 weights (distributed)
         entries = values.to(hist.dtype)
     else:
@@ -285,15 +298,18 @@ def add_digits(
     hist.scatter_add_(1, keys, entries)
 
 
-def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
+def _bisect_threshold(
+    values: Tensor, target: Tensor, by: str, mass: Tensor | None = None
+) -> Tensor:
     """:func:`descending_threshold` by bisection on the bit pattern: one masked reduction per
     bit. Used under ``torch.compile``, where each round fuses into one read of ``values``
     and a scatter would not; same answer as the radix up to the order of float additions.
     """
     bits = 63 if values.dtype == torch.float64 else 31
     batch = values.shape[0]
+    counted_mass = values if mass is None else mass
     if by == "share":
-        target = target * values.sum(-1, dtype=torch.float64)
+        target = target * counted_mass.sum(-1, dtype=torch.float64)
     # Invariant: Q(lo) >= target (Q(0) is everything), the answer is in [lo, hi].
     lo = torch.zeros(batch, 1, dtype=torch.int64, device=values.device)
     infinity = 0x7FF0000000000000 if values.dtype == torch.float64 else 0x7F800000
@@ -305,7 +321,7 @@ def _bisect_threshold(values: Tensor, target: Tensor, by: str) -> Tensor:
             threshold = mid.view(torch.float64)
         else:
             threshold = mid.to(torch.int32).view(torch.float32)
-        counted = unit if by == "count" else values
+        counted = unit if by == "count" else counted_mass
         q = torch.where(values >= threshold, counted, 0).sum(-1, keepdim=True, dtype=torch.float64)
         ok = q >= target[:, None]
         lo = torch.where(ok, mid, lo)

@@ -29,6 +29,7 @@ from torch import Tensor
 from ..ops import bitmask
 from ..ops import validation as v
 from ..ops.validation import Controls, check_controls
+from .samplers import Samplers
 from .state import padded_ids
 
 LOGPROBS_MODES = ("processed", "raw")
@@ -76,6 +77,16 @@ class StepParams:
             least as likely, itself included).
         logprob_token_ids: per-row token ids whose logprobs to return (lists or a -1-padded
             ``(B, M)`` tensor).
+        order: the chain's order of the truncation stages and temperature: a preset
+            (``"transformers"``, ``"vllm"``, ``"joint"``, ``"llama.cpp"``) or a sequence of
+            stage names (:data:`fastsample.stages.samplers.TRUNCATION_STAGES`); None: the
+            ``cut_order`` preset.
+        typical_p, epsilon_cutoff, eta_cutoff, top_n_sigma, xtc_probability, xtc_threshold,
+        dynatemp_range, dynatemp_exponent, mirostat_tau, mirostat_eta, penalty_last_n,
+        dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
+        dry_sequence_breakers, no_repeat_ngram_size: the stages of
+            :mod:`fastsample.stages.samplers` (each off by default; its docstring gives the
+            definitions, ranges and off values).
 
     Example:
         >>> params = StepParams(2, 1000, temperature=0.7, top_p=0.9, repetition_penalty=1.2,
@@ -109,6 +120,24 @@ class StepParams:
         logprobs_mode: str = "processed",
         token_ranks: bool = False,
         logprob_token_ids: IdLists | None = None,
+        order: str | Sequence[str] | None = None,
+        typical_p: Setting = None,
+        epsilon_cutoff: Setting = None,
+        eta_cutoff: Setting = None,
+        top_n_sigma: Setting = None,
+        xtc_probability: Setting = None,
+        xtc_threshold: Setting = None,
+        dynatemp_range: Setting = None,
+        dynatemp_exponent: Setting = None,
+        mirostat_tau: Setting = None,
+        mirostat_eta: Setting = None,
+        penalty_last_n: Setting = None,
+        dry_multiplier: Setting = None,
+        dry_base: Setting = None,
+        dry_allowed_length: Setting = None,
+        dry_penalty_last_n: Setting = None,
+        dry_sequence_breakers: Sequence[Sequence[Sequence[int] | int] | None] | None = None,
+        no_repeat_ngram_size: Setting = None,
     ) -> None:
         for name, value in (("batch", batch), ("vocab", vocab)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -121,10 +150,26 @@ class StepParams:
             temperature, top_k, top_p, min_p, batch, vocab, self.device, cut_order
         )
         self.num_samples = v.check_num_samples(num_samples, vocab)
+        self._ok: list[Tensor] = []
+        self.samplers = Samplers(
+            batch, vocab, self.device, order, cut_order,
+            {"typical_p": typical_p, "epsilon_cutoff": epsilon_cutoff, "eta_cutoff": eta_cutoff,
+             "top_n_sigma": top_n_sigma, "xtc_probability": xtc_probability,
+             "xtc_threshold": xtc_threshold, "dynatemp_range": dynatemp_range,
+             "dynatemp_exponent": dynatemp_exponent, "mirostat_tau": mirostat_tau,
+             "mirostat_eta": mirostat_eta, "penalty_last_n": penalty_last_n,
+             "dry_multiplier": dry_multiplier, "dry_base": dry_base,
+             "dry_allowed_length": dry_allowed_length, "dry_penalty_last_n": dry_penalty_last_n,
+             "no_repeat_ngram_size": no_repeat_ngram_size},
+            dry_sequence_breakers,
+        )  # fmt: skip
+        self.samplers.check_order_covers(self.controls)
+        self._ok += self.samplers.ok
+        if self.samplers.chain_on and self.num_samples > 1 and self.samplers.on("mirostat"):
+            raise ValueError("mirostat draws one token a step: num_samples must be 1")
         self.seed, self.stream = seed, stream
         if seed is None and not (isinstance(stream, int) and stream == 0):
             raise ValueError("stream was given without seed; pass seed=... as well")
-        self._ok: list[Tensor] = []
 
         self.repetition_penalty = self._penalty(repetition_penalty, "repetition_penalty", 1.0)
         self.frequency_penalty = self._penalty(frequency_penalty, "frequency_penalty", 0.0)
@@ -191,9 +236,24 @@ class StepParams:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether a stage before the controls changes the logits (bias, min-tokens or a
-        penalty): those need logits, not probabilities."""
-        return self.bias_ids is not None or self.stop_ids is not None or self.penalties_on
+        """Whether a stage before the controls changes the logits (bias, min-tokens, a
+        penalty, DRY, no-repeat n-grams) or the chain runs: those need logits, not
+        probabilities."""
+        return (self.bias_ids is not None or self.stop_ids is not None or self.penalties_on
+                or self.samplers.history_on or self.samplers.chain_on)  # fmt: skip
+
+    @property
+    def chain_on(self) -> bool:
+        """Whether the step runs the sampler chain (:mod:`fastsample.stages.chain`)."""
+        return self.samplers.chain_on
+
+    @property
+    def mirostat_tau(self) -> float | Tensor | None:
+        return self.samplers.mirostat_tau  # type: ignore[attr-defined]
+
+    @property
+    def mirostat_eta(self) -> float | Tensor | None:
+        return self.samplers.mirostat_eta  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ checks
 
@@ -332,6 +392,7 @@ class StepParams:
             "logprob_token_ids", "rows_ok",
         ):  # fmt: skip
             setattr(out, name, rows(getattr(self, name)))
+        out.samplers = self.samplers.repeat_rows(rows)
         return out
 
     def __repr__(self) -> str:

@@ -10,7 +10,12 @@
 * ``seen_mask`` ``(B, ceil(V / 32))`` int32: ``prompt | output_counts > 0``, the tokens the
   repetition penalty applies to, kept current by :meth:`TokenStats.update` (it lets the CPU
   path visit only the seen tokens, and a kernel read one bit instead of a count and a bit);
-* ``output_len`` ``(B,)`` int64: tokens emitted so far (min-tokens reads it).
+* ``output_len`` ``(B,)`` int64: tokens emitted so far (min-tokens reads it);
+* ``history`` ``(B, H)`` int64, only when built with ``history=H > 0``: the request's last
+  ``H`` tokens of context (prompt, then output), oldest first, ``-1`` where the context is
+  shorter. DRY, no-repeat n-grams and windowed penalties (``penalty_last_n``) read it;
+* ``mirostat_mu`` ``(B,)`` float32: mirostat's per-request target surprise ``mu``, NaN until
+  the first update that knows ``mirostat_tau`` (the stage reads NaN as its start, ``2 tau``).
 
 Memory per request at ``V = 128,256``: 16,032 bytes per mask, so 32 KiB for the two masks,
 plus 125 KiB of uint8 counts (``max_output_tokens <= 255``), 250 KiB of int16 (the default,
@@ -27,6 +32,7 @@ requests: a scatter and a few small ops, or one kernel), including the drafts th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -79,6 +85,34 @@ def padded_ids(
     return out.to(device) if device is not None else out
 
 
+def shift_in(history: Tensor, token_ids: Tensor) -> Tensor:
+    """``history`` (``(B, H)``, oldest first) with each row's valid entries of ``token_ids``
+    (``(B, n)``; valid ones first, ``-1`` after them) appended and as many of its oldest
+    dropped: one gather, fixed shapes."""
+    width = history.shape[1]
+    valid = token_ids >= 0
+    joined = torch.cat((history, torch.where(valid, token_ids, -1)), dim=1)
+    start = valid.sum(-1, keepdim=True)  # the row's count of new tokens
+    return joined.gather(1, start + torch.arange(width, device=history.device))
+
+
+def mirostat_update(
+    mu: Tensor, token_ids: Tensor, probs: Tensor, tau: float | Tensor, eta: float | Tensor,
+    vocab: int,
+) -> Tensor:
+    """Mirostat v2's ``mu`` after the emitted tokens: ``mu -= eta * (-log2 q - tau)`` for each
+    valid token, ``q`` its processed probability; ``mu`` starts at ``2 tau`` (NaN = not
+    started). Rows with mirostat off (a tensor ``tau <= 0``) keep theirs."""
+    batch = mu.shape[0]
+    tau_rows = torch.as_tensor(tau, dtype=torch.float32, device=mu.device).expand(batch)
+    eta_rows = torch.as_tensor(eta, dtype=torch.float32, device=mu.device).expand(batch)
+    start = torch.where(torch.isnan(mu), 2 * tau_rows, mu)
+    valid = (token_ids >= 0) & (token_ids < vocab)
+    surprise = -torch.log2(probs.to(torch.float32).clamp_min(1e-45))
+    moved = torch.where(valid, surprise - tau_rows[:, None], 0.0).sum(-1)
+    return torch.where(tau_rows > 0, start - eta_rows * moved, mu)
+
+
 class TokenStats:
     """Which tokens each request has seen, and how often it emitted each: the penalties'
     state (see the module docstring for the layout and its memory)."""
@@ -90,6 +124,8 @@ class TokenStats:
         output_len: Tensor,
         seen_mask: Tensor,
         max_output_tokens: int,
+        history: Tensor | None = None,
+        mirostat_mu: Tensor | None = None,
     ) -> None:
         batch, vocab = output_counts.shape
         words = bitmask.words_for(vocab)
@@ -103,6 +139,14 @@ class TokenStats:
         self.output_len = output_len
         self.seen_mask = seen_mask
         self.max_output_tokens = max_output_tokens
+        if history is not None and (
+            history.dtype != torch.int64 or history.dim() != 2 or history.shape[0] != batch
+        ):
+            raise ValueError(f"history must be int64 of shape ({batch}, H)")
+        self.history = history
+        if mirostat_mu is None:
+            mirostat_mu = torch.full((batch,), math.nan, device=output_counts.device)
+        self.mirostat_mu = mirostat_mu
         # The seen tokens as positions, for the CPU's sparse penalties (seen_positions), in
         # chunks of fewer than GRAIN: None until asked for, then kept current by update().
         self._positions: list[tuple[Tensor, Tensor]] | None = None
@@ -118,6 +162,7 @@ class TokenStats:
         device: torch.device | str | None = None,
         max_output_tokens: int = 32767,
         outputs: Sequence[Sequence[int] | None] | Tensor | None = None,
+        history: int = 0,
     ) -> TokenStats:
         """The statistics of requests that start now, from their prompts.
 
@@ -130,6 +175,9 @@ class TokenStats:
                 integer type (uint8 up to 255, int16 up to 32,767, int32 beyond). Counts stop
                 at the type's largest value.
             outputs: tokens already emitted (a request resumed elsewhere), same forms.
+            history: how many of the latest context tokens to keep (``H``; 0: none). DRY,
+                no-repeat n-grams and ``penalty_last_n`` need it: at least their window, the
+                prompt's length plus ``max_output_tokens`` for the whole context.
 
         Example:
             >>> stats = TokenStats.from_prompts([[5, 6, 6], [1]], vocab=10, max_output_tokens=100)
@@ -142,15 +190,22 @@ class TokenStats:
         dtype = counts_dtype(max_output_tokens)
         if device is None and isinstance(prompts, Tensor):
             device = prompts.device
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(f"history must be an int >= 0, got {history!r}")
         ids = padded_ids(prompts, device, "prompts")
         batch = ids.shape[0]
         prompt_mask = bitmask.from_ids(ids, vocab)
+        window = None
+        if history:
+            window = torch.full((batch, history), -1, dtype=torch.int64, device=ids.device)
+            window = shift_in(window, ids)
         stats = cls(
             prompt_mask,
             torch.zeros(batch, vocab, dtype=dtype, device=ids.device),
             torch.zeros(batch, dtype=torch.int64, device=ids.device),
             prompt_mask.clone(),
             max_output_tokens,
+            window,
         )
         if outputs is not None:
             emitted = padded_ids(outputs, ids.device, "outputs")
@@ -161,12 +216,13 @@ class TokenStats:
 
     @classmethod
     def empty(
-        cls, batch: int, vocab: int, *, device=None, max_output_tokens: int = 32767
+        cls, batch: int, vocab: int, *, device=None, max_output_tokens: int = 32767,
+        history: int = 0,
     ) -> TokenStats:
         """Statistics of ``batch`` requests with empty prompts and nothing emitted."""
         return cls.from_prompts(
             torch.empty(batch, 0, dtype=torch.int64, device=device), vocab,
-            max_output_tokens=max_output_tokens,
+            max_output_tokens=max_output_tokens, history=history,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ properties
@@ -220,10 +276,16 @@ class TokenStats:
 
     # ------------------------------------------------------------------ each step
 
-    def update(self, token_ids: Tensor) -> None:
+    def update(
+        self, token_ids: Tensor, *, probs: Tensor | None = None, params: object = None
+    ) -> None:
         """Add the tokens each request just emitted, in place: ``(B, n)`` int64, entries outside
         ``[0, V)`` (``-1`` padding, as ``verify_chain``'s ``token_ids`` after the emitted ones)
-        add nothing. Fixed shapes, no host sync."""
+        add nothing. Fixed shapes, no host sync.
+
+        With mirostat on in ``params`` (a :class:`~fastsample.StepParams`), ``probs`` (the
+        step's ``out.probs``: each emitted token's processed probability) moves each row's
+        ``mu`` by ``-eta * (-log2 q - tau)`` per emitted token (llama.cpp's update)."""
         if not isinstance(token_ids, Tensor) or token_ids.dim() != 2:
             raise ValueError("token_ids must be a (batch, n) int64 tensor")
         if token_ids.shape[0] != self.batch:
@@ -232,6 +294,15 @@ class TokenStats:
             raise ValueError(f"token_ids is on {token_ids.device}, the stats on {self.device}")
         if token_ids.shape[1] == 0:
             return
+        tau = getattr(params, "mirostat_tau", None)
+        if tau is not None:
+            if probs is None or tuple(probs.shape) != tuple(token_ids.shape):
+                raise ValueError("mirostat is on: pass probs=out.probs (shaped as token_ids)")
+            self.mirostat_mu = mirostat_update(
+                self.mirostat_mu, token_ids, probs, tau, params.mirostat_eta, self.vocab
+            )
+        if self.history is not None:
+            self.history = shift_in(self.history, token_ids)
         if kernel_backend.use_triton(self.device.type):  # one launch (kernels/stats.py)
             from ..kernels import step_ops
 
@@ -296,6 +367,8 @@ class TokenStats:
             self.output_len.index_select(0, index),
             self.seen_mask.index_select(0, index),
             self.max_output_tokens,
+            None if self.history is None else self.history.index_select(0, index),
+            self.mirostat_mu.index_select(0, index),
         )
 
     @staticmethod
@@ -308,12 +381,17 @@ class TokenStats:
             raise ValueError("TokenStats.cat: the vocabularies differ")
         widest = max(parts, key=lambda p: p.output_counts.element_size())
         dtype = widest.output_counts.dtype
+        lengths = {None if p.history is None else p.history.shape[1] for p in parts}
+        if len(lengths) != 1:
+            raise ValueError("TokenStats.cat: the parts keep histories of different lengths")
         return TokenStats(
             torch.cat([p.prompt_mask for p in parts]),
             torch.cat([p.output_counts.to(dtype) for p in parts]),
             torch.cat([p.output_len for p in parts]),
             torch.cat([p.seen_mask for p in parts]),
             max(p.max_output_tokens for p in parts),
+            None if None in lengths else torch.cat([p.history for p in parts]),  # type: ignore[misc]
+            torch.cat([p.mirostat_mu for p in parts]),
         )
 
     def assign(self, rows: Tensor | Sequence[int], other: TokenStats) -> None:
@@ -324,6 +402,12 @@ class TokenStats:
             raise ValueError("assign: other must have one row per index and the same vocab")
         if other.output_counts.element_size() > self.output_counts.element_size():
             raise ValueError("assign: other's counts need a wider type than this state's")
+        mine = None if self.history is None else self.history.shape[1]
+        if mine != (None if other.history is None else other.history.shape[1]):
+            raise ValueError("assign: other keeps a history of another length")
+        if self.history is not None:
+            self.history.index_copy_(0, index, other.history)
+        self.mirostat_mu.index_copy_(0, index, other.mirostat_mu)
         self.prompt_mask.index_copy_(0, index, other.prompt_mask)
         self.output_counts.index_copy_(0, index, other.output_counts.to(self.output_counts.dtype))
         self.output_len.index_copy_(0, index, other.output_len)

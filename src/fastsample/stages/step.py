@@ -30,7 +30,7 @@ from ..ops import scratch, threads
 from ..ops import validation as v
 from ..ops.seeds import check_stream_values, make_source, stream_ok
 from ..ops.weights import compute_dtype
-from . import allowed, bias, kernel_step, logprobs, penalties
+from . import allowed, bias, chain, history, kernel_step, logprobs, penalties
 from .draw import draw
 from .output import SampleOutput, flag_rows
 from .params import StepParams
@@ -63,12 +63,22 @@ def _check_inputs(
     ):
         raise ValueError(f"params live on {params.device}, the logits on {source.device}")
     if probs is not None and params.edits_logits:
-        raise ValueError("logit bias, min-tokens and penalties need logits=, not probs=")
-    needs_state = params.penalties_on or (params.stop_ids is not None and output_len is None)
+        raise ValueError(
+            "logit bias, min-tokens and penalties need logits=, not probs= (so do the "
+            "sampler chain's stages)"
+        )
+    samplers = params.samplers
+    needs_state = (params.penalties_on or samplers.history_on or samplers.on("mirostat")
+                   or (params.stop_ids is not None and output_len is None))  # fmt: skip
     if state is None and needs_state:
         raise ValueError(
             "penalties and min-tokens need state= (a TokenStats; min-tokens can take "
-            "output_len= instead)"
+            "output_len= instead), as do DRY, no-repeat n-grams, penalty_last_n and mirostat"
+        )
+    if samplers.history_on and state is not None and state.history is None:
+        raise ValueError(
+            "DRY, no-repeat n-grams and penalty_last_n read the token history: build the "
+            "TokenStats with history=H (TokenStats.from_prompts(..., history=H))"
         )
     if state is not None:
         if not isinstance(state, TokenStats):
@@ -139,10 +149,11 @@ def _prepare(
             bias.apply_min_tokens_(scores, params.stop_ids, params.min_tokens, length)
         if params.penalties_on:
             assert state is not None
-            penalties.apply_(
-                scores, state, params.repetition_penalty, params.frequency_penalty,
-                params.presence_penalty, rows, extra,
-            )  # fmt: skip
+            rep, freq, pres = history.output_penalties(params)
+            penalties.apply_(scores, state, rep, freq, pres, rows, extra)
+        if params.samplers.history_on:
+            assert state is not None
+            history.apply_(scores, state, params, rows, extra)
     return _Prepared(scores, raw, is_logits, params.rows_ok)
 
 
@@ -222,8 +233,13 @@ def sample_step(
     raw_mode = params.logprobs_mode == "raw"
     ready = _prepare(source, logits is not None, params, state, words, indices, output_len,
                      raw_mode, state_rows, scratch_ok=True, kernel_declined=True)  # fmt: skip
+    scores, controls = ready.scores, params.controls
+    if params.chain_on:
+        mu = _mirostat_mu(params, state, state_rows)
+        scores = chain.run(scores, controls, params.samplers, rng, mu)
+        controls = chain.off_controls(controls)
     drawn = draw(
-        ready.scores, ready.is_logits, params.controls, params.num_samples, rng,
+        scores, ready.is_logits, controls, params.num_samples, rng,
         0 if raw_mode else params.top_logprobs, want_greedy=params.token_ranks,
     )  # fmt: skip
     raw = None
@@ -231,13 +247,49 @@ def sample_step(
         maxima = drawn.maxima if ready.raw is ready.scores else None
         raw = logprobs.raw_normalizer(ready.raw, ready.is_logits, maxima)
     out = logprobs.attach(
-        drawn, ready.scores, raw, params.top_logprobs, params.token_ranks,
+        drawn, scores, raw, params.top_logprobs, params.token_ranks,
         params.logprob_token_ids,
     )  # fmt: skip
     ok = None if drawn.streams_flagged else stream_ok(rng)
     if ready.rows_ok is not None:
         ok = ready.rows_ok if ok is None else ok & ready.rows_ok
     return flag_rows(out, ok)
+
+
+def _mirostat_mu(
+    params: StepParams, state: TokenStats | None, rows: Tensor | None
+) -> Tensor | None:
+    if not params.samplers.on("mirostat"):
+        return None
+    assert state is not None
+    return state.mirostat_mu if rows is None else state.mirostat_mu[rows]
+
+
+def _chain_distribution(
+    scores: Tensor, params: StepParams, state: TokenStats | None, rows: Tensor | None,
+    extra: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """The chain's processed distribution. XTC's coin is not drawn: the result is its exact
+    mixture, ``q`` times the chain with XTC's removal plus ``1 - q`` times without."""
+    samplers = params.samplers
+    if samplers.on("mirostat") and extra is not None:
+        raise ValueError(
+            "mirostat in speculative verification is not supported: its mu moves with each "
+            "draft token"
+        )
+    mu = _mirostat_mu(params, state, rows)
+    off = chain.off_controls(params.controls)
+
+    def distribution(coin: float) -> Tensor:
+        fixed = chain.FixedCoin(scores.shape[0], coin, scores.device)
+        return process_checked(chain.run(scores, params.controls, samplers, fixed, mu), None, off)
+
+    if not samplers.on("xtc"):
+        return distribution(1.0)
+    q = samplers.xtc_probability  # type: ignore[attr-defined]
+    q = q[:, None].to(scores.dtype) if isinstance(q, Tensor) else q
+    # coin 0 < q always removes; coin 1 never does (q <= 1 and the rule is coin < q).
+    return q * distribution(0.0) + (1 - q) * distribution(1.0)
 
 
 def staged_logits(
@@ -289,7 +341,10 @@ def process_step(
     ready = _prepare(
         source, True, params, state, words, indices, output_len, False, rows, extra, True
     )
-    out = process_checked(ready.scores, None, params.controls)
+    if params.chain_on:
+        out = _chain_distribution(ready.scores, params, state, rows, extra)
+    else:
+        out = process_checked(ready.scores, None, params.controls)
     if ready.rows_ok is not None:
         out = torch.where(ready.rows_ok[:, None], out, 0.0)
     return out

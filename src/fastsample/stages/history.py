@@ -1,0 +1,225 @@
+"""Stage c, continued: the logit edits that read a request's recent tokens.
+
+They read :attr:`TokenStats.history <fastsample.stages.state.TokenStats>` (``(B, H)``, the
+last ``H`` context tokens, oldest first, ``-1`` before the context starts) and, in
+speculative verification, the drafts before each position (``extra``), appended to it.
+
+* **Windowed penalties** (``penalty_last_n``, llama.cpp's ``penalties``): with ``n > 0`` the
+  repetition, frequency and presence penalties count the last ``n`` context tokens (prompt
+  included), ``c`` a token's count there: repetition on ``c > 0``, ``x - f c``, ``x - p`` on
+  ``c > 0`` (the formula of :mod:`.penalties`); ``-1``: the whole kept history; ``0``: the
+  output counts of :mod:`.penalties`, as before.
+* **DRY** (llama.cpp's ``dry``, after p-e-w's original): for each earlier position ``c`` of
+  the window, ``m(c)`` is how many tokens before it repeat the context's last tokens (at most
+  the tokens since the last sequence breaker, see :func:`_breaker_limit`); the token at
+  ``c`` would extend that repeat, so with ``M_t = max m(c)`` over its positions, ``x_t -=
+  multiplier * base ** (M_t - allowed_length)`` where ``M_t >= allowed_length``.
+* **No-repeat n-grams** (Hugging Face's ``NoRepeatNGramLogitsProcessor``): a token whose
+  ``n - 1`` predecessors at some earlier position equal the context's last ``n - 1`` tokens
+  would repeat an n-gram: its logit becomes ``-inf``.
+
+Match lengths (:func:`match_lengths`) come from one compare per length, all positions at once;
+on CPU in eager mode the loop stops when no repeat is still growing (a host read, free
+there), elsewhere it runs the window's length. Per-token maxima and counts use a sort of the
+window's ``(B, H)`` entries, never a ``(B, V)`` table; edits are gathers and scatters at the
+window's tokens (entries naming one token compute one value, so the scatter is exact).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import penalties
+from .params import StepParams
+from .state import TokenStats
+
+
+def output_penalties(params: StepParams):
+    """The (repetition, frequency, presence) of :mod:`.penalties` (output counts): off in the
+    rows whose ``penalty_last_n`` is not 0 (those take the window here)."""
+    rep, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    last_n = params.samplers.penalty_last_n  # type: ignore[attr-defined]
+    if last_n is None:
+        return rep, freq, pres
+    if not isinstance(last_n, Tensor):
+        return None, None, None
+    plain = last_n == 0
+
+    def masked(value, off):
+        if value is None:
+            return None
+        return torch.where(plain, torch.as_tensor(value, dtype=torch.float32), off)
+
+    return masked(rep, 1.0), masked(freq, 0.0), masked(pres, 0.0)
+
+
+def _context(state: TokenStats, rows: Tensor | None, extra: Tensor | None) -> Tensor:
+    """``(R, H')`` the history of each row (mapped by ``rows``), with the drafts appended."""
+    hist = state.history
+    assert hist is not None
+    if rows is not None:
+        hist = hist.index_select(0, rows)
+    if extra is not None and extra.shape[1]:
+        from .state import shift_in
+
+        wide = torch.full((hist.shape[0], hist.shape[1] + extra.shape[1]), -1,
+                          dtype=torch.int64, device=hist.device)  # fmt: skip
+        wide[:, extra.shape[1] :] = hist
+        hist = shift_in(wide, extra)
+    return hist
+
+
+def _window(hist: Tensor, last_n: int | Tensor) -> Tensor:
+    """``hist`` with the entries before the last ``last_n`` set to -1 (``-1``: all)."""
+    width = hist.shape[1]
+    n = torch.as_tensor(last_n, device=hist.device)
+    n = torch.where(n < 0, width, n).reshape(-1, 1)
+    inside = torch.arange(width, device=hist.device)[None, :] >= width - n
+    return torch.where(inside, hist, -1)
+
+
+def _eager_cpu(t: Tensor) -> bool:
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def match_lengths(hist: Tensor, limit: Tensor | None = None) -> Tensor:
+    """``(B, H)`` int64: for each position ``c``, the largest ``m`` with ``hist[c-1-s] ==
+    hist[H-1-s] >= 0`` for every ``s < m`` (at most ``limit[b]`` when given)."""
+    batch, width = hist.shape
+    length = torch.zeros(batch, width, dtype=torch.int64, device=hist.device)
+    alive = torch.ones(batch, width, dtype=torch.bool, device=hist.device)
+    for s in range(width - 1):
+        last = hist[:, width - 1 - s : width - s]  # (B, 1): the context's (s+1)-th last token
+        earlier = torch.full((batch, width), -2, dtype=hist.dtype, device=hist.device)
+        earlier[:, s + 1 :] = hist[:, : width - 1 - s]  # earlier[c] = hist[c - 1 - s]
+        alive &= (earlier == last) & (last >= 0)
+        if limit is not None:
+            alive &= (s < limit)[:, None]
+        length += alive
+        if _eager_cpu(hist) and not bool(alive.any()):
+            break
+    return length
+
+
+def _per_token(ids: Tensor, values: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """For each entry of ``ids`` (``(B, N)``, -1 = none), the largest ``values`` (``>= 0``)
+    among the entries naming its token, and the count of those entries (a sort of the keys
+    ``id * (N + 1) + value``, then two searches)."""
+    span = values.shape[1] + 1
+    valid = ids >= 0
+    keys = torch.where(valid, ids * span + values.clamp(0, span - 1), -1)
+    ordered, _ = torch.sort(keys, dim=1)
+    ends = torch.searchsorted(ordered, torch.where(valid, (ids + 1) * span, 0), right=False)
+    starts = torch.searchsorted(ordered, torch.where(valid, ids * span, 0), right=False)
+    last = ordered.gather(1, (ends - 1).clamp_min(0))
+    return torch.where(valid, last - ids * span, 0), torch.where(valid, ends - starts, 0)
+
+
+def _edit_(x: Tensor, ids: Tensor, new_values: Tensor, changed: Tensor) -> None:
+    """``x[b, ids] = new_values`` where ``changed`` (entries of one token agree)."""
+    target = torch.where(changed, ids, 0)
+    current = x.gather(1, target)
+    x.scatter_(1, target, torch.where(changed, new_values.to(x.dtype), current))
+
+
+def _breaker_limit(hist: Tensor, table: Tensor | None) -> Tensor | None:
+    """``(B,)``: how many of the context's last tokens follow its last complete sequence
+    breaker (``table``: :func:`~fastsample.stages.samplers.breaker_tables`' sequences; an
+    occurrence ends at its last token), so a repeat never reaches back across one; None
+    without breakers. llama.cpp's ``rep_limit``."""
+    if table is None:
+        return None
+    batch, width = hist.shape
+    count, longest = table.shape[1], table.shape[2]
+    occurs = torch.zeros(batch, width, dtype=torch.bool, device=hist.device)
+    for i in range(count):
+        here = table[:, i, -1:] >= 0  # a padding sequence occurs nowhere
+        for t in range(longest):
+            want = table[:, i, t : t + 1]  # -3: before a shorter breaker's start: any token
+            shift = longest - 1 - t
+            seen = torch.full((batch, width), -2, dtype=hist.dtype, device=hist.device)
+            seen[:, shift:] = hist[:, : width - shift]
+            here = here & ((want == -3) | (seen == want))
+        occurs |= here
+    position = torch.arange(width, device=hist.device)
+    last = torch.where(occurs, position, -1).amax(-1)
+    return (width - 1 - last).clamp_max(width)
+
+
+def _rows_value(value, like: Tensor) -> Tensor:
+    return torch.as_tensor(value, dtype=torch.float32, device=like.device).reshape(-1, 1)
+
+
+def apply_(
+    x: Tensor, state: TokenStats, params: StepParams, rows: Tensor | None, extra: Tensor | None
+) -> Tensor:
+    """Windowed penalties, DRY and no-repeat n-grams on ``x`` (``(R, V)`` logits), in place."""
+    s = params.samplers
+    hist = _context(state, rows, extra)
+    vocab = x.shape[1]
+    last_n = s.penalty_last_n  # type: ignore[attr-defined]
+    if last_n is not None and params.penalties_on:
+        window = _window(hist, last_n)
+        _, counts = _per_token(window, torch.zeros_like(window), vocab)
+        on = window >= 0
+        if isinstance(last_n, Tensor):
+            on &= (last_n != 0)[:, None]
+
+        def per_row(value):
+            return value[:, None] if isinstance(value, Tensor) else value
+
+        ids = window.clamp_min(0)
+        values = penalties.penalize(
+            x.gather(1, ids), on, counts.to(x.dtype) * on, per_row(params.repetition_penalty),
+            per_row(params.frequency_penalty), per_row(params.presence_penalty),
+        )  # fmt: skip
+        _edit_(x, ids, values, on)
+    multiplier = s.dry_multiplier  # type: ignore[attr-defined]
+    if multiplier is not None:
+        _dry_(x, hist, s, multiplier)
+    n = s.no_repeat_ngram_size  # type: ignore[attr-defined]
+    if n is not None:
+        lengths = match_lengths(hist)
+        need = torch.as_tensor(n, device=x.device).reshape(-1, 1) - 1
+        banned = (hist >= 0) & (lengths >= need) & (need >= 0)
+        ids = hist.clamp_min(0)
+        _edit_(x, ids, torch.full_like(x.gather(1, ids), -math.inf), banned)
+    return x
+
+
+def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
+    """DRY on ``x`` in place (llama.cpp's rules: see the module docstring and
+    :func:`_breaker_limit`)."""
+    last_n = s.dry_penalty_last_n
+    window = _window(hist, last_n)
+    present = window >= 0
+    size = present.sum(-1, keepdim=True)  # N: the window's tokens
+    limit = _breaker_limit(window, s.breaker_table)
+    lengths = match_lengths(window, limit)
+    longest, _ = _per_token(window, lengths, x.shape[1])
+    allowed = _rows_value(s.dry_allowed_length, x)
+    base = _rows_value(s.dry_base, x)
+    mult = _rows_value(multiplier, x)
+    reach = size if limit is None else limit[:, None]  # rep_limit
+    # No penalty when the window holds at most allowed tokens or fewer than allowed follow the
+    # last breaker; the window's first token extends nothing (it follows no position).
+    on = (size > allowed) & (reach >= allowed) & (mult != 0)
+    on &= torch.as_tensor(last_n, device=x.device).reshape(-1, 1) != 0
+    first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
+    hit = present & ~first & on & (longest.to(torch.float32) >= allowed)
+    if s.single_breakers is not None:  # single-token breakers are never penalized
+        hit &= ~(window[:, :, None] == s.single_breakers[:, None, :]).any(-1)
+    exponent = (longest.to(torch.float64) - allowed).clamp_max(_max_exponent(base))
+    penalty = mult.to(torch.float64) * torch.pow(base.to(torch.float64), exponent)
+    ids = window.clamp_min(0)
+    _edit_(x, ids, x.gather(1, ids) - penalty.to(x.dtype), hit)
+
+
+def _max_exponent(base: Tensor) -> Tensor:
+    """llama.cpp's cap on DRY's exponent, ``floor(88.7228391 / ln base)`` (``base >
+    1.000001``; none otherwise), so ``base ** exponent`` stays finite in float32."""
+    capped = torch.floor(88.7228391 / torch.log(base.clamp_min(1.000001).to(torch.float64)))
+    return torch.where(base > 1.000001, capped, math.inf)
