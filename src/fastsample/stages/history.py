@@ -105,24 +105,29 @@ def match_lengths(hist: Tensor, limit: Tensor | None = None) -> Tensor:
 
 
 def _per_token(ids: Tensor, values: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
-    """For each entry of ``ids`` (``(B, N)``, -1 = none), the largest ``values`` (``>= 0``)
-    among the entries naming its token, and the count of those entries (a sort of the keys
-    ``id * (N + 1) + value``, then two searches)."""
-    span = values.shape[1] + 1
+    """For each entry of ``ids`` (``(B, N)``, -1 = none), the largest ``values`` (in ``[-1,
+    N]``) among the entries naming its token, and the count of those entries (a sort of the
+    keys ``id * (N + 2) + value + 1``, then two searches)."""
+    span = values.shape[1] + 2
     valid = ids >= 0
-    keys = torch.where(valid, ids * span + values.clamp(0, span - 1), -1)
+    keys = torch.where(valid, ids * span + values.clamp(-1, span - 2) + 1, -1)
     ordered, _ = torch.sort(keys, dim=1)
     ends = torch.searchsorted(ordered, torch.where(valid, (ids + 1) * span, 0), right=False)
     starts = torch.searchsorted(ordered, torch.where(valid, ids * span, 0), right=False)
     last = ordered.gather(1, (ends - 1).clamp_min(0))
-    return torch.where(valid, last - ids * span, 0), torch.where(valid, ends - starts, 0)
+    return torch.where(valid, last - ids * span - 1, -1), torch.where(valid, ends - starts, 0)
 
 
 def _edit_(x: Tensor, ids: Tensor, new_values: Tensor, changed: Tensor) -> None:
-    """``x[b, ids] = new_values`` where ``changed`` (entries of one token agree)."""
-    target = torch.where(changed, ids, 0)
-    current = x.gather(1, target)
-    x.scatter_(1, target, torch.where(changed, new_values.to(x.dtype), current))
+    """``x[b, ids] = new_values`` where ``changed``, in one scatter: ``changed`` and
+    ``new_values`` must agree across the entries naming one token; an unchanged entry writes
+    its token's current value back, and padding (-1) entries repeat the row's last entry,
+    the most recent token (valid whenever the row holds one), so no two writes disagree."""
+    valid = ids >= 0
+    target = torch.where(valid, ids, ids[:, -1:].clamp_min(0))
+    written = torch.where(changed, new_values.to(x.dtype), x.gather(1, ids.clamp_min(0)))
+    written = torch.where(valid, written, written[:, -1:])
+    x.scatter_(1, target, written)
 
 
 def _breaker_limit(hist: Tensor, table: Tensor | None) -> Tensor | None:
@@ -182,9 +187,9 @@ def apply_(
         _dry_(x, hist, s, multiplier)
     n = s.no_repeat_ngram_size  # type: ignore[attr-defined]
     if n is not None:
-        lengths = match_lengths(hist)
+        longest, _ = _per_token(hist, match_lengths(hist), vocab)
         need = torch.as_tensor(n, device=x.device).reshape(-1, 1) - 1
-        banned = (hist >= 0) & (lengths >= need) & (need >= 0)
+        banned = (hist >= 0) & (longest >= need) & (need >= 0)
         ids = hist.clamp_min(0)
         _edit_(x, ids, torch.full_like(x.gather(1, ids), -math.inf), banned)
     return x
@@ -199,17 +204,18 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
     size = present.sum(-1, keepdim=True)  # N: the window's tokens
     limit = _breaker_limit(window, s.breaker_table)
     lengths = match_lengths(window, limit)
-    longest, _ = _per_token(window, lengths, x.shape[1])
+    # The window's first token extends nothing (it follows no position of the window).
+    first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
+    longest, _ = _per_token(window, torch.where(first, -1, lengths), x.shape[1])
     allowed = _rows_value(s.dry_allowed_length, x)
     base = _rows_value(s.dry_base, x)
     mult = _rows_value(multiplier, x)
     reach = size if limit is None else limit[:, None]  # rep_limit
     # No penalty when the window holds at most allowed tokens or fewer than allowed follow the
-    # last breaker; the window's first token extends nothing (it follows no position).
+    # last breaker.
     on = (size > allowed) & (reach >= allowed) & (mult != 0)
     on &= torch.as_tensor(last_n, device=x.device).reshape(-1, 1) != 0
-    first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
-    hit = present & ~first & on & (longest.to(torch.float32) >= allowed)
+    hit = present & on & (longest.to(torch.float32) >= allowed)
     if s.single_breakers is not None:  # single-token breakers are never penalized
         hit &= ~(window[:, :, None] == s.single_breakers[:, None, :]).any(-1)
     exponent = (longest.to(torch.float64) - allowed).clamp_max(_max_exponent(base))
