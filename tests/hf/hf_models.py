@@ -71,14 +71,18 @@ def stub_model(seed: int, vocab: int = 64, scale: float = 2.0) -> StubLM:
     return model
 
 
-def warpers(temperature=None, top_k=None, top_p=None, min_p=None):
+def warpers(temperature=None, top_k=None, top_p=None, min_p=None, typical_p=None,
+            epsilon_cutoff=None, eta_cutoff=None):  # fmt: skip
     """transformers' own warpers for these controls, in the order generate applies them."""
     from transformers.generation.logits_process import (
+        EpsilonLogitsWarper,
+        EtaLogitsWarper,
         LogitsProcessorList,
         MinPLogitsWarper,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
+        TypicalLogitsWarper,
     )
 
     chain = LogitsProcessorList()
@@ -90,6 +94,12 @@ def warpers(temperature=None, top_k=None, top_p=None, min_p=None):
         chain.append(TopPLogitsWarper(top_p))
     if min_p is not None:
         chain.append(MinPLogitsWarper(min_p))
+    if typical_p is not None:
+        chain.append(TypicalLogitsWarper(typical_p))
+    if epsilon_cutoff is not None:
+        chain.append(EpsilonLogitsWarper(epsilon_cutoff))
+    if eta_cutoff is not None:
+        chain.append(EtaLogitsWarper(eta_cutoff))
     return chain
 
 

@@ -44,7 +44,15 @@ def biased(law: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("controls", CONTROLS, ids=["T-topk-topp", "T-minp"])
+# typical-p, epsilon and eta (issue 37): transformers' warpers, fastsample's sample_step.
+CHAIN_CONTROLS = [
+    dict(temperature=0.9, top_k=20, typical_p=0.7),
+    dict(temperature=1.2, top_k=64, epsilon_cutoff=0.01, eta_cutoff=0.02),  # top-k off (V=64)
+]
+
+
+@pytest.mark.parametrize("controls", CONTROLS + CHAIN_CONTROLS,
+                         ids=["T-topk-topp", "T-minp", "T-topk-typical", "T-epsilon-eta"])
 def test_first_two_tokens_follow_transformers_warpers(law_model, controls):
     """DRAWS requests of one prompt, one seed each: the first token's law and the joint law
     of the first two match the model's logits through transformers' warpers (p < 1e-6 false
@@ -221,9 +229,35 @@ def test_seed_none_follows_torch_manual_seed(law_model):
     assert torch.equal(*runs)
 
 
+def test_dry_and_xtc_run_through_the_loop_and_dry_acts():
+    """One request with DRY and XTC on, against the same request with XTC alone: its prompt
+    repeats "5 6 7 8 9", so after "... 5 6 7" token 8 would extend a 10-token repeat. DRY takes
+    ``multiplier * base ** (10 - allowed)`` off its logit, and nothing off the others (their
+    odds against each other are unchanged); the drawn tokens never continue the cycle."""
+    model = tiny_llama(seed=0, head_scale=15.0)
+    prompt = torch.tensor([[5, 6, 7, 8, 9] * 2 + [5, 6, 7]])
+    xtc = dict(xtc_probability=1.0, xtc_threshold=0.02)
+    dry = dict(dry_multiplier=0.5, dry_base=1.5, dry_allowed_length=2)
+    runs = [fh.generate(model, prompt, do_sample=True, max_new_tokens=6, seed=11,
+                        return_dict_in_generate=True, output_scores=True, **xtc, **extra)
+            for extra in ({}, dry)]  # fmt: skip
+    plain, with_dry = (run.scores[0][0].double() for run in runs)
+    kept = torch.isfinite(plain) & torch.isfinite(with_dry)
+    others = kept.clone()
+    others[8] = False
+    shift = (with_dry - plain)[others]
+    torch.testing.assert_close(shift, shift[:1].expand_as(shift), atol=1e-5, rtol=0)
+    penalty = 0.5 * 1.5 ** (10 - 2)
+    if kept[8]:
+        assert (with_dry - plain)[8].item() == pytest.approx(shift[0].item() - penalty, abs=1e-3)
+    else:
+        assert torch.isfinite(plain[8]) and not torch.isfinite(with_dry[8])
+    assert runs[0].sequences.shape == runs[1].sequences.shape == (1, 19)
+
+
 def test_rejects_what_it_does_not_implement(law_model):
-    with pytest.raises(NotImplementedError, match="typical_p"):
-        fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, typical_p=0.5,
+    with pytest.raises(NotImplementedError, match="top_h"):
+        fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, top_h=0.5,
                     max_new_tokens=2)
     with pytest.raises(ValueError, match="one each"):
         fh.generate(law_model, torch.tensor([PROMPT]), do_sample=True, max_new_tokens=2,

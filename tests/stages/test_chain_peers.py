@@ -16,10 +16,11 @@ probability > 0, and its softmax must match our probabilities to 1e-6.
 * ``NoRepeatNGramLogitsProcessor(n)``, n = 1..4, with the whole context as ``input_ids``
   and ``TokenStats.from_prompts(..., history=H)`` holding all of it: the banned set (HF's
   ``-inf``) is our zero-probability set at T = 1. The contexts draw from a few tokens, so
-  n-grams repeat. Known disagreement (xfail): a ban of token id 0 is lost.
+  n-grams repeat; every other one uses token id 0 (an edit of token 0 was once lost to the
+  scatter's placeholder writes: ``[3, 0, 3]`` with n = 2 banned nothing, HF bans 0).
 
-The settings and seeds keep clear of exact float boundaries; none needed avoiding (typical,
-epsilon and eta agreed on every seed tried, ties included).
+No seed or setting was picked to dodge a float boundary: typical, epsilon and eta agreed,
+kept sets exactly, on every seed tried (30 per vocabulary, ties included).
 """
 
 from __future__ import annotations
@@ -113,12 +114,14 @@ def test_chain_in_transformers_order_equals_warpers(vocab, setting):
         _assert_same(_warp(warpers, x.clone()), fs.process_step(x, params), f"seed {seed}")
 
 
-def _contexts(seed: int, vocab: int, lowest: int) -> list[list[int]]:
-    """Eight contexts of lengths 0 to 80, each drawn from 2 to 7 tokens of ``[lowest, V)``."""
+def _contexts(seed: int, vocab: int) -> list[list[int]]:
+    """Eight contexts of lengths 0 to 80, each drawn from 2 to 7 tokens (token 0 among them
+    in every other one), so n-grams repeat."""
     rng = np.random.default_rng(seed)
     contexts = []
-    for length in (0, 2, 5, 12, 30, 50, 70, 80):
-        alphabet = rng.choice(np.arange(lowest, vocab), size=int(rng.integers(2, 8)), replace=False)
+    for i, length in enumerate((0, 2, 5, 12, 30, 50, 70, 80)):
+        alphabet = rng.choice(np.arange(1, vocab), size=int(rng.integers(2, 8)), replace=False)
+        alphabet[0] = 0 if i % 2 else alphabet[0]
         contexts.append(rng.choice(alphabet, size=length).tolist())
     return contexts
 
@@ -130,37 +133,33 @@ def _no_repeat_both(contexts, vocab: int, n: int, seed: int):
     processor = transformers.NoRepeatNGramLogitsProcessor(n)
     theirs = torch.stack([processor(torch.tensor([c], dtype=torch.long), x[b : b + 1].clone())[0]
                           for b, c in enumerate(contexts)])  # fmt: skip
-    state = fs.TokenStats.from_prompts(contexts, vocab, history=max(map(len, contexts)))
+    state = fs.TokenStats.from_prompts(contexts, vocab, history=max(1, *map(len, contexts)))
     params = fs.StepParams(len(contexts), vocab, no_repeat_ngram_size=n)
     return theirs, fs.process_step(x, params, state=state)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_no_repeat_ngram_equals_transformers(vocab):
-    # Token 0 is left out of the contexts: see the xfail test below.
     for seed in SEEDS:
-        contexts = _contexts(seed, vocab, lowest=1)
+        contexts = _contexts(seed, vocab)
         for n in (1, 2, 3, 4):
             theirs, ours = _no_repeat_both(contexts, vocab, n, seed)
             _assert_same(theirs, ours, f"seed {seed}, n {n}")
-            assert (ours == 0).sum() >= 4, "the planted repeats ban tokens"
+            assert (ours == 0).any(), "the planted repeats ban tokens"
+            assert n > 1 or (ours[1::2, 0] == 0).any(), "token 0 itself is banned"
 
 
-@pytest.mark.xfail(strict=True, reason="history._edit_ scatters unchanged entries to id 0")
 def test_no_repeat_ngram_bans_token_zero():
-    # Context [3, 0, 3], n = 2: the 2-gram (3, 0) occurred, so HF bans 0; ours bans nothing.
+    # [3, 0, 3], n = 2: the 2-gram (3, 0) occurred, so 0 is banned (it once was not).
     theirs, ours = _no_repeat_both([[3, 0, 3]], 8, 2, seed=0)
-    assert torch.isinf(theirs[0, 0])
-    assert ours[0, 0] == 0
-    for seed in SEEDS:  # random contexts with token 0 allowed
-        for n in (1, 2, 3, 4):
-            _assert_same(*_no_repeat_both(_contexts(seed, 50, lowest=0), 50, n, seed), f"{n}")
+    assert torch.isinf(theirs[0]).nonzero().flatten().tolist() == [0]
+    _assert_same(theirs, ours, "[3, 0, 3]")
 
 
 def test_tensor_settings_equal_numbers_row_by_row():
     vocab, rows = 200, 8
     x = _logits(3, vocab)[:rows]
-    contexts = _contexts(3, vocab, lowest=1)
+    contexts = _contexts(3, vocab)
     history = max(map(len, contexts))
     settings = {  # per row; the off values included (typical 1, cutoffs 0, n-gram size 0)
         "temperature": [0.7, 1.0, 1.5, 0.9, 1.2, 0.8, 1.0, 0.6],

@@ -52,7 +52,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import Prepared, controls_from_config, copy_seeds, prompt_seeds, without_config_warpers
+from .config import (
+    STAGE_KWARGS,
+    Prepared,
+    controls_from_config,
+    copy_seeds,
+    prompt_seeds,
+    without_config_warpers,
+)
 from .loop import plain_generate
 from .output import FastsampleGenerateOutput
 from .speculative import DEFAULT_DRAFT_TOKENS, speculative_generate
@@ -60,8 +67,14 @@ from .speculative import DEFAULT_DRAFT_TOKENS, speculative_generate
 __all__ = ["DEFAULT_DRAFT_TOKENS", "FastsampleGenerateOutput", "generate"]
 
 # Model inputs transformers prepares for its own loop; fastsample's loop builds its own.
-_PREPARED_INPUTS = ("position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
-                    "cache_position")
+_PREPARED_INPUTS = (
+    "position_ids",
+    "cache",
+    "past_key_values",
+    "use_cache",
+    "logits_to_keep",
+    "cache_position",
+)
 
 
 @dataclass
@@ -72,6 +85,7 @@ class _Options:
     draft_model: Any = None
     num_draft_tokens: int | None = None
     streamer: Any = None
+    stages: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def generate(
@@ -101,20 +115,31 @@ def generate(
             ``generation_config``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
             ``min_p``, ``max_new_tokens``, ``eos_token_id``, ``pad_token_id``,
             ``num_return_sequences``, ``logits_processor``, ``stopping_criteria``,
-            ``streamer``, ``return_dict_in_generate``, ``output_scores``, ...
+            ``streamer``, ``return_dict_in_generate``, ``output_scores``, ``typical_p``,
+            ``epsilon_cutoff``, ``eta_cutoff``, ``no_repeat_ngram_size`` (transformers' own
+            processor), ...; and fastsample's stages that transformers lacks
+            (:data:`fastsample.hf.config.STAGE_KWARGS`: DRY, XTC, top-n-sigma, dynamic
+            temperature, mirostat, ``penalty_last_n``, ``order``), with
+            :class:`fastsample.StepParams`' names; the context they read is the prompt and
+            the tokens drawn so far.
 
     Returns:
         The ``(B * num_return_sequences, L + new)`` sequences, or with
         ``return_dict_in_generate=True`` a :class:`FastsampleGenerateOutput`.
     """
     draft = assistant_model if assistant_model is not None else draft_model
+    # fastsample's own stages never reach transformers (it would reject them as model inputs).
+    stages = {k: generate_kwargs.pop(k) for k in STAGE_KWARGS if generate_kwargs.get(k) is not None}
     if _prepared_by_transformers(generate_kwargs):  # called as custom_generate
-        return _decode(model, input_ids, _Options(seed, draft, num_draft_tokens), **generate_kwargs)
-    options = _Options(seed, draft, num_draft_tokens, generate_kwargs.pop("streamer", None))
+        options = _Options(seed, draft, num_draft_tokens, stages=stages)
+        return _decode(model, input_ids, options, **generate_kwargs)
+    options = _Options(seed, draft, num_draft_tokens, generate_kwargs.pop("streamer", None),
+                       stages)  # fmt: skip
     # The options ride in a closure: transformers forwards no unknown keyword before 5.x.
     return model.generate(
-        input_ids, custom_generate=functools.partial(_run_prepared, options=options),
-        **generate_kwargs
+        input_ids,
+        custom_generate=functools.partial(_run_prepared, options=options),
+        **generate_kwargs,
     )
 
 
@@ -195,7 +220,14 @@ def _decode(
         seeds=row_seeds,
         copy_index=copy_index,
         streamer=options.streamer,
+        stages=options.stages,
     )
     if options.draft_model is None:
         return plain_generate(model, job)
+    if job.needs_step:
+        raise NotImplementedError(
+            "fastsample.hf's speculative loop draws with temperature, top_k, top_p and min_p; "
+            "typical_p, epsilon/eta cutoffs and fastsample's own stages run without a draft "
+            "model for now"
+        )
     return speculative_generate(model, options.draft_model, job, options.num_draft_tokens)

@@ -13,18 +13,30 @@ seeds drawn from torch's global generator (so ``torch.manual_seed`` reproduces a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     LogitsProcessorList,
     MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
+
+STAGE_KWARGS = (
+    "order", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+    "dynatemp_exponent", "mirostat_tau", "mirostat_eta", "penalty_last_n", "dry_multiplier",
+    "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+)  # fmt: skip
+"""fastsample's stages that transformers' generation config lacks: ``generate`` takes them as
+keywords (:class:`fastsample.StepParams`' names and meanings; ``dry_sequence_breakers`` is
+one list of token-id sequences for every prompt)."""
 
 # Largest seed drawn when the caller gives none (fastsample seeds are 64-bit).
 _SEED_LIMIT = 1 << 62
@@ -45,6 +57,22 @@ class Controls:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether a stage beyond temperature, top-k, top-p and min-p is on: the draw is then
+        :func:`fastsample.sample_step` with :class:`fastsample.StepParams`."""
+        return any(v is not None for v in (self.typical_p, self.epsilon_cutoff, self.eta_cutoff))
+
+    def step_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`fastsample.StepParams` (transformers' order)."""
+        if self.greedy:
+            return {"temperature": 0.0}
+        return {**self.sample_kwargs(), "typical_p": self.typical_p,
+                "epsilon_cutoff": self.epsilon_cutoff, "eta_cutoff": self.eta_cutoff}  # fmt: skip
 
     def sample_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`fastsample.sample` / :func:`fastsample.process`."""
@@ -70,31 +98,26 @@ def controls_from_config(config: Any) -> Controls:
         )
     if not config.do_sample:
         return Controls(greedy=True)
-    unsupported = [
-        name
-        for name, value, off in (
-            ("typical_p", getattr(config, "typical_p", None), 1.0),
-            ("epsilon_cutoff", getattr(config, "epsilon_cutoff", None), 0.0),
-            ("eta_cutoff", getattr(config, "eta_cutoff", None), 0.0),
-            ("top_h", getattr(config, "top_h", None), None),
-        )
-        if value is not None and value != off
-    ]
-    if unsupported:
+    if getattr(config, "top_h", None) is not None:
         raise NotImplementedError(
-            f"fastsample.hf draws with temperature, top_k, top_p and min_p; {unsupported} "
-            "have no fastsample equivalent (use model.generate without custom_generate)"
+            "fastsample.hf has no top_h (use model.generate without custom_generate)"
         )
     temperature = _off_unless(config.temperature, 1.0)
     if temperature == 0:
         return Controls(greedy=True)
     top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
+    typical = getattr(config, "typical_p", None)
+    epsilon = getattr(config, "epsilon_cutoff", None)
+    eta = getattr(config, "eta_cutoff", None)
     return Controls(
         greedy=False,
         temperature=temperature,
         top_k=_off_unless(config.top_k, 0),
         top_p=top_p,
         min_p=config.min_p,
+        typical_p=typical if typical is not None and typical < 1.0 else None,
+        epsilon_cutoff=epsilon if epsilon is not None and 0.0 < epsilon < 1.0 else None,
+        eta_cutoff=eta if eta is not None and 0.0 < eta < 1.0 else None,
     )
 
 
@@ -111,6 +134,13 @@ def _built_warpers(config: Any) -> list[type]:
         built.append(TopPLogitsWarper)
     if config.min_p is not None:
         built.append(MinPLogitsWarper)
+    typical = getattr(config, "typical_p", None)
+    if typical is not None and typical < 1.0:
+        built.append(TypicalLogitsWarper)
+    for name, kind in (("epsilon_cutoff", EpsilonLogitsWarper), ("eta_cutoff", EtaLogitsWarper)):
+        value = getattr(config, name, None)
+        if value is not None and 0.0 < value < 1.0:
+            built.append(kind)
     return built
 
 
@@ -180,7 +210,8 @@ class Prepared:
 
     ``input_ids`` and ``attention_mask`` are ``(B, L)`` (rows already repeated for
     ``num_return_sequences``); ``processors`` are the user's and the config's processors
-    without the warpers fastsample replaces; ``seeds`` and ``copy_index`` are per row.
+    without the warpers fastsample replaces; ``seeds`` and ``copy_index`` are per row;
+    ``stages`` the :data:`STAGE_KWARGS` given to ``generate``.
     """
 
     input_ids: Tensor
@@ -192,6 +223,12 @@ class Prepared:
     seeds: Tensor
     copy_index: Tensor
     streamer: Any = None
+    stages: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether the draw is :func:`fastsample.sample_step` (a stage of the chain is on)."""
+        return bool(self.stages) or self.controls.needs_step
 
     @property
     def max_new_tokens(self) -> int:
