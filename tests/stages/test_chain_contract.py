@@ -262,3 +262,30 @@ def test_truncation_stages_compile_fullgraph():
     got = compiled(logits, torch.full((4,), 2))
     assert torch.equal(got.token_ids, eager.token_ids) and torch.equal(got.valid, eager.valid)
     np.testing.assert_allclose(got.probs.numpy(), eager.probs.numpy(), rtol=1e-5)
+
+
+def test_the_candidate_chain_and_its_tie_fallback():
+    """A Python top_k before the mass stages runs the chain on the candidates; ties at the
+    k-th past the candidates send the call to the whole row. Either way every drawn token is
+    in the processed support and the drawn probability is the processed one."""
+    gen = torch.Generator().manual_seed(9)
+    smooth = torch.randn(4, V, generator=gen) * 2
+    tied = torch.zeros(4, V)  # every entry ties: the k-th's ties fill the row
+    tied[:, :5] = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0])
+    params = fs.StepParams(4, V, temperature=0.9, top_k=20, typical_p=0.8, xtc_probability=0.5,
+                           order="llama.cpp", seed=torch.arange(4))  # fmt: skip
+    from fastsample.ops.noise import GeneratorSource
+    from fastsample.stages import chain
+
+    source = GeneratorSource(None, 4, smooth.device)
+    assert chain.candidates(smooth, params.controls, params.samplers, source, None) is not None
+    assert chain.candidates(tied, params.controls, params.samplers, source, None) is None
+    for logits in (smooth, tied):
+        want = fs.process_step(logits, params)
+        for step in range(20):
+            out = fs.sample_step(logits, params=params, step=step)
+            drawn = want.gather(1, out.token_ids)
+            assert (drawn > 0).all() and out.valid.all()
+            # XTC's coin makes the processed law a mixture: the drawn probability is one of
+            # its two components', never above 1.
+            assert ((out.probs > 0) & (out.probs <= 1)).all()

@@ -155,20 +155,38 @@ def eta_cutoff(x: Tensor, eta: Setting) -> Tensor:
     return _keep(x, got.weights >= at_least(threshold, got.weights.dtype))
 
 
-def top_n_sigma(x: Tensor, n: Setting) -> Tensor:
+def top_n_sigma_threshold(x: Tensor, n: Setting) -> Tensor:
+    """``(B, 1)`` top-nσ's threshold ``max x - n sigma`` in ``x``'s dtype (``-inf`` where
+    ``n <= 0``): ``sigma`` the population standard deviation of the surviving logits."""
+    peak = x.amax(-1, keepdim=True)
+    n_rows = _rows(n, x)
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        # One fused pass when no row holds a removed (-inf) token: its variance is then
+        # finite (a host read, free on CPU); else the masked moments below.
+        var, _ = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+        if bool(torch.isfinite(var).all()):
+            threshold = peak.to(torch.float64) - n_rows * var.to(torch.float64).sqrt()
+            return torch.where(n_rows > 0, threshold.to(x.dtype), -math.inf)
+    alive = x > -math.inf
+    count = alive.sum(-1, keepdim=True).clamp_min(1).to(torch.float64)
+    # Moments of x - max over the survivors: sums in x's dtype (torch sums pairwise), the
+    # variance E[d^2] - E[d]^2 in float64 (d spans a few tens: no harmful cancellation).
+    d = torch.where(alive, x - peak, 0.0)
+    mean = d.sum(-1, keepdim=True).to(torch.float64) / count
+    square = d.square_().sum(-1, keepdim=True).to(torch.float64) / count
+    sigma = (square - mean * mean).clamp_min(0).sqrt()
+    threshold = (peak.to(torch.float64) - n_rows * sigma).to(x.dtype)
+    return torch.where(n_rows > 0, threshold, -math.inf)
+
+
+def top_n_sigma(x: Tensor, n: Setting, threshold: Tensor | None = None) -> Tensor:
     """Top-nσ (llama.cpp's ``top_n_sigma``; "Top-nσ: Not All Logits Are You Need"): keep
     ``x_i >= max x - n sigma``, ``sigma`` the population standard deviation of the surviving
     logits (removed ``-inf`` ones excluded). ``n <= 0`` keeps all; a row with one survivor
-    keeps it."""
-    alive = x > -math.inf
-    count = alive.sum(-1, keepdim=True).clamp_min(1).to(torch.float64)
-    finite = torch.where(alive, x, 0.0)
-    mean = finite.sum(-1, keepdim=True, dtype=torch.float64) / count
-    centred = torch.where(alive, finite - mean.to(x.dtype), 0.0)
-    sigma = ((centred * centred).sum(-1, keepdim=True, dtype=torch.float64) / count).sqrt()
-    n_rows = _rows(n, x)
-    threshold = (x.amax(-1, keepdim=True).to(torch.float64) - n_rows * sigma).to(x.dtype)
-    return _keep(x, (n_rows <= 0) | (x >= threshold))
+    keeps it. ``threshold``: already found on the whole row (the chain on candidates)."""
+    if threshold is None:
+        threshold = top_n_sigma_threshold(x, n)
+    return _keep(x, x >= threshold)
 
 
 def xtc(x: Tensor, probability: Setting, threshold: Setting, coin: Tensor) -> Tensor:

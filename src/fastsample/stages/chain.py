@@ -17,6 +17,15 @@ the request's ``mu`` (:attr:`~fastsample.stages.state.TokenStats.mirostat_mu`).
 The chain hands logits (removed tokens ``-inf``, temperature applied) to the draw with every
 control off, so the draw, processed probabilities and logprobs are the general path's on
 them. Rows whose input holds NaN or ``+inf`` stay invalid whatever the stages removed.
+
+**On the top-k candidates** (:func:`candidates`, CPU eager): when a Python ``top_k`` comes
+before every stage that weighs the whole row (only temperature, min-p and top-n-sigma may
+precede it: each keeps an upper set of the row, so it commutes with taking the ``k`` largest),
+the chain runs on the ``k`` largest entries of each row (and a few more, to see ties at the
+``k``-th), ordered by value then index, and the draw maps its token back. Top-n-sigma's
+threshold is found on the whole row first. Same law, a few passes over the row instead of
+the chain's dozens; a row whose ties at the ``k``-th run past the candidates sends the call
+to the whole-row chain (a host read: free on CPU).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from torch import Tensor
 
 from ..ops import truncation as cut
 from ..ops.noise import UniformSource
+from ..ops.select import block_maxima, largest_entries
 from ..ops.validation import Controls
 from .samplers import Samplers
 
@@ -49,9 +59,11 @@ def _temperature(x: Tensor, controls: Controls, samplers: Samplers) -> Tensor:
 
 def _stage(
     name: str, x: Tensor, controls: Controls, samplers: Samplers, rng: UniformSource,
-    mu: Tensor | None,
+    mu: Tensor | None, sigma_cut: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     s = samplers
+    if name == "top_n_sigma" and sigma_cut is not None:
+        return cut.top_n_sigma(x, None, threshold=sigma_cut)  # type: ignore[arg-type]
     if name == "temperature":
         return _temperature(x, controls, s)
     if name in ("top_k", "top_p", "min_p"):
@@ -70,11 +82,12 @@ def _stage(
 
 def run(
     scores: Tensor, controls: Controls, samplers: Samplers, rng: UniformSource,
-    mu: Tensor | None = None,
+    mu: Tensor | None = None, sigma_cut: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """The chain on ``scores`` (``(B, V)`` logits after the stages before it): the logits to
     draw from, removed tokens ``-inf``, rows with NaN/``+inf`` input all NaN. ``mu``:
-    mirostat's ``(B,)`` per-request ``mu`` (NaN: not started, ``2 tau``)."""
+    mirostat's ``(B,)`` per-request ``mu`` (NaN: not started, ``2 tau``); ``sigma_cut``:
+    top-n-sigma's threshold when found elsewhere (:func:`candidates`)."""
     x = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
     bad = bad_rows(x)
     x = torch.where(torch.isnan(x), -math.inf, x)
@@ -83,8 +96,61 @@ def run(
             kept = [_stage(name, x, controls, samplers, rng, mu) > -math.inf for name in entry]
             x = torch.where(kept[0] & kept[1], x, -math.inf)
         else:
-            x = _stage(entry, x, controls, samplers, rng, mu)
+            x = _stage(entry, x, controls, samplers, rng, mu, sigma_cut)
     return torch.where(bad[:, None], math.nan, x)
+
+
+CANDIDATES_MAX_K = 1024
+"""The largest Python ``top_k`` whose candidates the chain runs on."""
+_TIE_MARGIN = 8  # candidates past the k-th: ties at the k-th up to this many stay exact
+
+
+def candidates(
+    scores: Tensor, controls: Controls, samplers: Samplers, rng: UniformSource,
+    mu: Tensor | None,
+) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+    """The chain on each row's top-k candidates: ``(logits (B, C), ids (B, C))`` to draw from
+    (ids map a drawn column back to the vocabulary), or None when the whole row is needed
+    (see the module docstring)."""
+    k = controls.top_k
+    if (scores.device.type != "cpu" or torch.compiler.is_compiling() or not isinstance(k, int)
+            or k > CANDIDATES_MAX_K or scores.dtype == torch.float64):  # fmt: skip
+        return None
+    before: list[str] = []
+    for entry in samplers.order:
+        if entry == "top_k":
+            break
+        if isinstance(entry, tuple) or entry not in ("temperature", "min_p", "top_n_sigma"):
+            if isinstance(entry, tuple) or samplers.on(entry):
+                return None
+            continue
+        before.append(entry)
+    if samplers.dynatemp_on and "temperature" in before:
+        return None
+    if samplers.on("top_n_sigma") and "min_p" in before[: before.index("top_n_sigma")]:
+        return None  # its deviation would be the min-p survivors'
+    x = scores if scores.dtype == torch.float32 else scores.float()
+    maxima = block_maxima(x)  # NaN propagates into its block's maximum, +inf is one
+    if bool((torch.isnan(maxima) | (maxima == math.inf)).any()):
+        return None  # the whole-row chain flags such rows
+    vocab = x.shape[1]
+    count = min(vocab, k + _TIE_MARGIN)
+    values, ids = largest_entries(x, count, maxima)
+    # Value first, then index: the first maximal survivor is the lowest index (greedy).
+    by_id = ids.argsort(dim=1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = values.argsort(dim=1, descending=True, stable=True)
+    values, ids = values.gather(1, by_value), ids.gather(1, by_value)
+    if count < vocab and bool((values[:, -1] == values[:, k - 1]).any()):
+        return None  # ties at the k-th beyond the candidates
+    sigma_cut = None
+    if samplers.on("top_n_sigma"):
+        sigma_cut = cut.top_n_sigma_threshold(x, samplers.top_n_sigma)  # type: ignore[attr-defined]
+        t = controls.temperature
+        if "temperature" in before[: before.index("top_n_sigma")] and t is not None:
+            t_rows = torch.as_tensor(t, dtype=x.dtype).reshape(-1, 1)
+            sigma_cut = sigma_cut / torch.where(t_rows > 0, t_rows, 1.0)
+    return run(values, controls, samplers, rng, mu, sigma_cut), ids
 
 
 class FixedCoin:

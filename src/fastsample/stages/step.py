@@ -29,7 +29,7 @@ from ..controls import process_checked
 from ..ops import scratch, threads
 from ..ops import validation as v
 from ..ops.seeds import check_stream_values, make_source, stream_ok
-from ..ops.weights import compute_dtype
+from ..ops.weights import compute_dtype, controls_in_range
 from . import allowed, bias, chain, history, kernel_step, logprobs, penalties
 from .draw import draw
 from .output import SampleOutput, flag_rows
@@ -236,6 +236,14 @@ def sample_step(
     scores, controls = ready.scores, params.controls
     if params.chain_on:
         mu = _mirostat_mu(params, state, state_rows)
+        few = None
+        if not (params.top_logprobs or raw_mode or params.token_ranks
+                or params.logprob_token_ids is not None):  # fmt: skip
+            few = chain.candidates(scores, controls, params.samplers, rng, mu)
+        if few is not None:  # the chain ran on the top-k candidates: draw there, map back
+            drawn = draw(few[0], True, chain.off_controls(controls), params.num_samples, rng, 0)
+            out = drawn.out._replace(token_ids=few[1].gather(1, drawn.out.token_ids))
+            return flag_rows(out, _rows_ok(ready, params, drawn, rng))
         scores = chain.run(scores, controls, params.samplers, rng, mu)
         controls = chain.off_controls(controls)
     drawn = draw(
@@ -250,10 +258,21 @@ def sample_step(
         drawn, scores, raw, params.top_logprobs, params.token_ranks,
         params.logprob_token_ids,
     )  # fmt: skip
+    return flag_rows(out, _rows_ok(ready, params, drawn, rng))
+
+
+def _rows_ok(ready: _Prepared, params: StepParams, drawn, rng) -> Tensor | None:
+    """The rows whose stream, step settings and (through the chain, which hands the draw no
+    controls) controls are in range; None: all."""
     ok = None if drawn.streams_flagged else stream_ok(rng)
     if ready.rows_ok is not None:
         ok = ready.rows_ok if ok is None else ok & ready.rows_ok
-    return flag_rows(out, ok)
+    if params.chain_on:
+        c = params.controls
+        if any(isinstance(v, Tensor) for v in (c.temperature, c.top_k, c.top_p, c.min_p)):
+            fine = controls_in_range(c, params.batch, params.device)
+            ok = fine if ok is None else ok & fine
+    return ok
 
 
 def _mirostat_mu(
@@ -343,6 +362,10 @@ def process_step(
     )
     if params.chain_on:
         out = _chain_distribution(ready.scores, params, state, rows, extra)
+        c = params.controls
+        if any(isinstance(v, Tensor) for v in (c.temperature, c.top_k, c.top_p, c.min_p)):
+            fine = controls_in_range(c, params.batch, params.device)
+            out = torch.where(fine[:, None], out, 0.0)
     else:
         out = process_checked(ready.scores, None, params.controls)
     if ready.rows_ok is not None:
