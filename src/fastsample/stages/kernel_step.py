@@ -73,6 +73,8 @@ def applies(source: Tensor, params: StepParams, words: Tensor | None) -> bool:
     the controls or a logprob option of the step on."""
     if not kernel_backend.use_triton(source.device.type):
         return False
+    if params.chain_on or params.samplers.history_on:
+        return False  # the sampler chain's stages have no kernels yet: the torch ops run
     return (
         words is not None
         or params.allowed_mask is not None

@@ -9,8 +9,11 @@ The list, each stage a module of this package with its exact definition:
 
 a. :mod:`.allowed` -- grammar bitmask and allowed ids (``-inf`` where not allowed);
 b. :mod:`.bias` -- logit bias, then min-tokens;
-c. :mod:`.penalties` -- repetition, frequency, presence;
-d-e. :mod:`.draw` -- temperature, top-k, top-p, min-p, greedy, and the draw;
+c. :mod:`.penalties` -- repetition, frequency, presence; :mod:`.history` -- DRY, no-repeat
+   n-grams, windowed penalties (when on);
+d-e. :mod:`.draw` -- temperature, top-k, top-p, min-p, greedy, and the draw; or, when a
+   stage of :mod:`.samplers` is on or the order asks for it, :mod:`.chain` -- the truncation
+   stages and temperature in ``params.samplers.order``, then the draw with no control;
 f. :mod:`.logprobs` -- processed or raw log-probabilities, top-N, ranks, requested ids.
 
 Stages a-c write one float buffer (float32; float64 for float64 logits) that the draw stage

@@ -48,6 +48,7 @@ MODES: tuple[Mode, ...] = (
     Mode("controls", "controls"),
     Mode("generate", "generate"),
     Mode("launches", "launches"),
+    Mode("samplers", "samplers"),
     Mode("engine", "sglang_engine", value="sglang"),
     Mode("engine", "engine"),
 )
@@ -214,6 +215,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --engine vllm: skip the plugin's step inside Model Runner V2 against the V1 "
         "runner (a child process with the MRV2 CPU shim; minutes: MRV2's own bookkeeping runs "
         "in Triton's interpreter)",
+    )
+    parser.add_argument(
+        "--samplers",
+        action="store_true",
+        help="each new stage of the sampler chain (typical, epsilon, eta, top-n-sigma, XTC, "
+        "dynamic temperature, mirostat, windowed penalties, DRY, no-repeat n-grams) on top of "
+        "sample_step, beside transformers' warpers and llama-cpp-python's chain where they "
+        "install (fastsample.tools.bench.samplers; --batch default 1 64, V=128256)",
     )
     parser.add_argument(
         "--launches",
