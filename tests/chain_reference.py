@@ -225,7 +225,8 @@ def history_logits(x: np.ndarray, r: ChainRow, bug: str | None = None) -> np.nda
                     continue
                 e = m - r.dry_allowed_length
                 if r.dry_base > 1.000001:
-                    e = min(e, int(88.7228391 / np.log(r.dry_base)))
+                    cap = np.float32(88.7228391) / np.log(np.float32(r.dry_base))
+                    e = min(e, int(cap))  # llama.cpp's cap, in float as it computes it
                 x[token] -= r.dry_multiplier * r.dry_base**e
     if r.no_repeat_ngram_size > 0:
         n = r.no_repeat_ngram_size

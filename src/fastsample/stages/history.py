@@ -225,7 +225,9 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
 
 
 def _max_exponent(base: Tensor) -> Tensor:
-    """llama.cpp's cap on DRY's exponent, ``floor(88.7228391 / ln base)`` (``base >
-    1.000001``; none otherwise), so ``base ** exponent`` stays finite in float32."""
-    capped = torch.floor(88.7228391 / torch.log(base.clamp_min(1.000001).to(torch.float64)))
-    return torch.where(base > 1.000001, capped, math.inf)
+    """llama.cpp's cap on DRY's exponent, ``int(88.7228391f / logf(base))`` in float32 as it
+    computes it (``base > 1.000001``; none otherwise), so ``base ** exponent`` stays near the
+    top of float32 (at base 2 the cap is 128: the penalty overflows to ``inf``, as there)."""
+    base32 = base.to(torch.float32).clamp_min(1.000001)
+    cap = torch.tensor(88.7228391, dtype=torch.float32) / torch.log(base32)
+    return torch.where(base > 1.000001, torch.trunc(cap).to(torch.float64), math.inf)
