@@ -40,6 +40,12 @@ CONFIGS: dict[str, tuple[np.ndarray, ChainRow]] = {
     "xtc": (_logits(30, 5, 1.2), ChainRow(xtc_probability=0.6, xtc_threshold=0.06)),
     "dynatemp": (_logits(40, 6, 2.0), ChainRow(temperature=1.0, dynatemp_range=0.8,
                                                dynatemp_exponent=0.5)),
+    # The same with a top-k after them: the chain on the top-k candidates, the temperature
+    # and top-n-sigma's threshold found on the whole row first.
+    "dynatemp top-k": (_logits(40, 13, 2.0), ChainRow(temperature=1.0, dynatemp_range=0.8,
+                                                     dynatemp_exponent=0.5, top_k=25)),
+    "top_n_sigma top-k": (_logits(40, 14), ChainRow(temperature=1.3, top_n_sigma=1.1,
+                                                    top_k=30)),
     "mirostat": (_logits(40, 7, 2.0), ChainRow(mirostat_tau=2.0, mirostat_mu=3.2)),
     "llama.cpp order": (_logits(50, 8, 1.5), ChainRow(order="llama.cpp", temperature=0.5,
                                                       top_k=30, top_p=0.8, min_p=0.04)),
@@ -139,7 +145,7 @@ def test_each_stage_has_its_negative_control():
     """Dropping the configuration's own stage changes its law (so the control is real), and
     every planted mistake changes some configuration's law."""
     for name in CONFIGS:
-        if name not in ("llama.cpp order", "all"):
+        if name not in ("llama.cpp order", "all"):  # their own stages: the order, everything
             assert not np.allclose(law(name, "stage_dropped"), law(name), atol=1e-9), name
     for bug in BUGS:
         assert any(not np.allclose(law(n, bug), law(n), atol=1e-9) for n in CONFIGS), bug

@@ -8,9 +8,10 @@ takes it from here: one buffer per thread and per use (``slot``), kept while the
 dtype stay the same, replaced when they change. A buffer is handed out only for the duration
 of a call and never returned to the caller (results are computed from it, never views of it).
 
-Memory: at most one buffer per slot per calling thread (two slots are used: the staged logits
-and the raw logprobs' normalizer), released with the thread or by :func:`release`. Off CPU
-(the caching allocator reuses memory there) and under ``torch.compile`` a fresh tensor is made.
+Memory: at most one buffer per slot per calling thread (three slots are used: the staged
+logits, the raw logprobs' normalizer and the sampler chain's whole-row weights), released
+with the thread or by :func:`release`. Off CPU (the caching allocator reuses memory there)
+and under ``torch.compile`` a fresh tensor is made.
 """
 
 from __future__ import annotations

@@ -47,8 +47,12 @@ def bad_rows(x: Tensor) -> Tensor:
     return torch.isnan(x).any(-1) | (x == math.inf).any(-1)
 
 
-def _temperature(x: Tensor, controls: Controls, samplers: Samplers) -> Tensor:
+def _temperature(
+    x: Tensor, controls: Controls, samplers: Samplers, fixed: Tensor | None = None
+) -> Tensor:
     t = controls.temperature
+    if fixed is not None:  # found on the whole row already (the chain on candidates)
+        return cut.temperature(x, fixed)
     if samplers.dynatemp_on:
         return cut.dynamic_temperature(
             x, 1.0 if t is None else t, samplers.dynatemp_range,  # type: ignore[attr-defined]
@@ -59,13 +63,13 @@ def _temperature(x: Tensor, controls: Controls, samplers: Samplers) -> Tensor:
 
 def _stage(
     name: str, x: Tensor, controls: Controls, samplers: Samplers, rng: UniformSource,
-    mu: Tensor | None, sigma_cut: Tensor | None = None,
+    mu: Tensor | None, sigma_cut: Tensor | None = None, fixed_t: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     s = samplers
     if name == "top_n_sigma" and sigma_cut is not None:
         return cut.top_n_sigma(x, None, threshold=sigma_cut)  # type: ignore[arg-type]
     if name == "temperature":
-        return _temperature(x, controls, s)
+        return _temperature(x, controls, s, fixed_t)
     if name in ("top_k", "top_p", "min_p"):
         value = getattr(controls, name)
         return x if value is None else getattr(cut, name)(x, value)
@@ -82,12 +86,13 @@ def _stage(
 
 def run(
     scores: Tensor, controls: Controls, samplers: Samplers, rng: UniformSource,
-    mu: Tensor | None = None, sigma_cut: Tensor | None = None,
+    mu: Tensor | None = None, sigma_cut: Tensor | None = None, fixed_t: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """The chain on ``scores`` (``(B, V)`` logits after the stages before it): the logits to
     draw from, removed tokens ``-inf``, rows with NaN/``+inf`` input all NaN. ``mu``:
     mirostat's ``(B,)`` per-request ``mu`` (NaN: not started, ``2 tau``); ``sigma_cut``:
-    top-n-sigma's threshold when found elsewhere (:func:`candidates`)."""
+    top-n-sigma's threshold, ``fixed_t`` the (dynamic) temperature, when found elsewhere
+    (:func:`candidates`)."""
     x = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
     bad = bad_rows(x)
     x = torch.where(torch.isnan(x), -math.inf, x)
@@ -96,7 +101,7 @@ def run(
             kept = [_stage(name, x, controls, samplers, rng, mu) > -math.inf for name in entry]
             x = torch.where(kept[0] & kept[1], x, -math.inf)
         else:
-            x = _stage(entry, x, controls, samplers, rng, mu, sigma_cut)
+            x = _stage(entry, x, controls, samplers, rng, mu, sigma_cut, fixed_t)
     return torch.where(bad[:, None], math.nan, x)
 
 
@@ -125,8 +130,19 @@ def candidates(
                 return None
             continue
         before.append(entry)
+    fixed_t = None
     if samplers.dynatemp_on and "temperature" in before:
-        return None
+        if before[0] != "temperature":
+            return None  # its entropy would be that of an earlier cut's survivors
+        # First in the chain: its temperature comes from the whole row's entropy, then it
+        # scales every entry alike (it commutes with taking the k largest).
+        x_all = scores if scores.dtype == torch.float32 else scores.float()
+        total = x_all.sum(-1)
+        fixed_t = cut.dynamic_temperature_value(
+            x_all, 1.0 if controls.temperature is None else controls.temperature,
+            samplers.dynatemp_range, samplers.dynatemp_exponent,  # type: ignore[attr-defined]
+            finite=bool(torch.isfinite(total).all()),
+        ).to(x_all.dtype)  # fmt: skip
     if samplers.on("top_n_sigma") and "min_p" in before[: before.index("top_n_sigma")]:
         return None  # its deviation would be the min-p survivors'
     x = scores if scores.dtype == torch.float32 else scores.float()
@@ -146,11 +162,11 @@ def candidates(
     sigma_cut = None
     if samplers.on("top_n_sigma"):
         sigma_cut = cut.top_n_sigma_threshold(x, samplers.top_n_sigma)  # type: ignore[attr-defined]
-        t = controls.temperature
+        t = controls.temperature if fixed_t is None else fixed_t
         if "temperature" in before[: before.index("top_n_sigma")] and t is not None:
             t_rows = torch.as_tensor(t, dtype=x.dtype).reshape(-1, 1)
             sigma_cut = sigma_cut / torch.where(t_rows > 0, t_rows, 1.0)
-    return run(values, controls, samplers, rng, mu, sigma_cut), ids
+    return run(values, controls, samplers, rng, mu, sigma_cut, fixed_t), ids
 
 
 class FixedCoin:
