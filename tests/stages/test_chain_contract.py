@@ -289,3 +289,15 @@ def test_the_candidate_chain_and_its_tie_fallback():
             # XTC's coin makes the processed law a mixture: the drawn probability is one of
             # its two components', never above 1.
             assert ((out.probs > 0) & (out.probs <= 1)).all()
+
+
+def test_dry_breakers_longer_than_the_history_or_empty_break_nothing():
+    """As llama.cpp: a breaker longer than the window cannot occur (it limits nothing), and an
+    empty one is skipped; both leave DRY's penalty as without breakers."""
+    settings = dict(dry_multiplier=1.0, dry_base=1.1, dry_allowed_length=2,
+                    dry_penalty_last_n=5)  # fmt: skip
+    plain = _dry([0, 1, 2, 0, 1], **settings)
+    longer = _dry([0, 1, 2, 0, 1], dry_sequence_breakers=[[[0, 1, 2, 0, 1, 2]]], **settings)
+    empty = _dry([0, 1, 2, 0, 1], dry_sequence_breakers=[[[]]], **settings)
+    assert longer == pytest.approx(plain) and empty == pytest.approx(plain)
+    assert plain[2] < 0.2  # the penalty is there to be kept
