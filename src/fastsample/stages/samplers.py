@@ -65,14 +65,15 @@ LEGACY_ORDERS = ("transformers", "vllm", "joint")
 
 Setting = float | int | Tensor | None
 
-# name -> (kind, rule for a number, the rule's text, the off value or None)
-_SPECS: dict[str, tuple[str, Callable[[float], bool], str, float | None]] = {
-    "typical_p": ("float", lambda x: 0 < x <= 1, "in (0, 1] (1 = off)", 1.0),
-    "epsilon_cutoff": ("float", lambda x: 0 <= x < 1, "in [0, 1) (0 = off)", 0.0),
-    "eta_cutoff": ("float", lambda x: 0 <= x < 1, "in [0, 1) (0 = off)", 0.0),
+# name -> (kind, rule, the rule's text, the off value or None). A rule takes a Python number
+# or a tensor (``&`` of comparisons works on both), so numbers and tensor rows share it.
+_SPECS: dict[str, tuple[str, Callable, str, float | None]] = {
+    "typical_p": ("float", lambda x: (x > 0) & (x <= 1), "in (0, 1] (1 = off)", 1.0),
+    "epsilon_cutoff": ("float", lambda x: (x >= 0) & (x < 1), "in [0, 1) (0 = off)", 0.0),
+    "eta_cutoff": ("float", lambda x: (x >= 0) & (x < 1), "in [0, 1) (0 = off)", 0.0),
     "top_n_sigma": ("float", lambda x: True, "finite (<= 0 = off)", None),
-    "xtc_probability": ("float", lambda x: 0 <= x <= 1, "in [0, 1] (0 = off)", 0.0),
-    "xtc_threshold": ("float", lambda x: 0 <= x <= 1, "in [0, 1]", None),
+    "xtc_probability": ("float", lambda x: (x >= 0) & (x <= 1), "in [0, 1] (0 = off)", 0.0),
+    "xtc_threshold": ("float", lambda x: (x >= 0) & (x <= 1), "in [0, 1]", None),
     "dynatemp_range": ("float", lambda x: x >= 0, ">= 0 (0 = off)", 0.0),
     "dynatemp_exponent": ("float", lambda x: x >= 0, ">= 0", None),
     "mirostat_tau": ("float", lambda x: x > 0, "> 0 (None = off)", None),
@@ -81,40 +82,17 @@ _SPECS: dict[str, tuple[str, Callable[[float], bool], str, float | None]] = {
     "dry_multiplier": ("float", lambda x: x >= 0, ">= 0 (0 = off)", 0.0),
     "dry_base": ("float", lambda x: x >= 1, ">= 1", None),
     "dry_allowed_length": ("int", lambda x: x >= 0, ">= 0", None),
-    "dry_penalty_last_n": (
-        "int",
-        lambda x: x >= -1,
-        ">= -1 (-1 = the whole history, 0 = DRY off)",
-        None,
-    ),
+    "dry_penalty_last_n": ("int", lambda x: x >= -1,
+                           ">= -1 (-1 = the whole history, 0 = DRY off)", None),
     "no_repeat_ngram_size": ("int", lambda x: x >= 0, ">= 0 (0 = off)", 0),
-}
+}  # fmt: skip
 DEFAULTS = {"xtc_threshold": 0.1, "dynatemp_exponent": 1.0, "mirostat_eta": 0.1,
             "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1}  # fmt: skip
 
 
 def _in_range(name: str, value: Tensor) -> Tensor:
-    """``(B,)`` bool: a tensor setting's rows inside the rule (NaN fails every rule)."""
-    finite = value.abs() < math.inf
-    rule = {
-        "typical_p": (value > 0) & (value <= 1),
-        "epsilon_cutoff": (value >= 0) & (value < 1),
-        "eta_cutoff": (value >= 0) & (value < 1),
-        "top_n_sigma": finite,
-        "xtc_probability": (value >= 0) & (value <= 1),
-        "xtc_threshold": (value >= 0) & (value <= 1),
-        "dynatemp_range": value >= 0,
-        "dynatemp_exponent": value >= 0,
-        "mirostat_tau": value > 0,
-        "mirostat_eta": value >= 0,
-        "penalty_last_n": value >= -1,
-        "dry_multiplier": value >= 0,
-        "dry_base": value >= 1,
-        "dry_allowed_length": value >= 0,
-        "dry_penalty_last_n": value >= -1,
-        "no_repeat_ngram_size": value >= 0,
-    }[name]
-    return rule & finite
+    """``(B,)`` bool: a tensor setting's rows inside its rule and finite (NaN fails)."""
+    return _SPECS[name][1](value) & (value.abs() < math.inf)
 
 
 class Samplers:

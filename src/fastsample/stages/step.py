@@ -270,12 +270,21 @@ def _rows_ok(ready: _Prepared, params: StepParams, drawn, rng) -> Tensor | None:
     ok = None if drawn.streams_flagged else stream_ok(rng)
     if ready.rows_ok is not None:
         ok = ready.rows_ok if ok is None else ok & ready.rows_ok
-    if params.chain_on:
-        c = params.controls
-        if any(isinstance(v, Tensor) for v in (c.temperature, c.top_k, c.top_p, c.min_p)):
-            fine = controls_in_range(c, params.batch, params.device)
-            ok = fine if ok is None else ok & fine
+    fine = _chain_controls_ok(params)
+    if fine is not None:
+        ok = fine if ok is None else ok & fine
     return ok
+
+
+def _chain_controls_ok(params: StepParams) -> Tensor | None:
+    """``(B,)`` rows whose tensor controls are in range when the chain runs (it hands the
+    draw no controls, so the draw cannot flag them); None: nothing to flag."""
+    c = params.controls
+    if not params.chain_on or not any(
+        isinstance(v, Tensor) for v in (c.temperature, c.top_k, c.top_p, c.min_p)
+    ):
+        return None
+    return controls_in_range(c, params.batch, params.device)
 
 
 def _mirostat_mu(
@@ -365,9 +374,8 @@ def process_step(
     )
     if params.chain_on:
         out = _chain_distribution(ready.scores, params, state, rows, extra)
-        c = params.controls
-        if any(isinstance(v, Tensor) for v in (c.temperature, c.top_k, c.top_p, c.min_p)):
-            fine = controls_in_range(c, params.batch, params.device)
+        fine = _chain_controls_ok(params)
+        if fine is not None:
             out = torch.where(fine[:, None], out, 0.0)
     else:
         out = process_checked(ready.scores, None, params.controls)
