@@ -301,3 +301,22 @@ def test_dry_breakers_longer_than_the_history_or_empty_break_nothing():
     empty = _dry([0, 1, 2, 0, 1], dry_sequence_breakers=[[[]]], **settings)
     assert longer == pytest.approx(plain) and empty == pytest.approx(plain)
     assert plain[2] < 0.2  # the penalty is there to be kept
+
+
+@pytest.mark.parametrize(
+    "order",
+    [["top_k", "top_n_sigma", "temperature"], ["temperature", "top_n_sigma", "top_k"],
+     ["top_p", "top_k", "temperature"], ["min_p", "top_n_sigma", "top_k", "temperature"]],
+)  # fmt: skip
+def test_the_candidate_chain_draws_from_the_whole_row_chain_law(order):
+    """Whichever stages stand before or after top-k, the candidate path (or its refusal)
+    draws each token with the whole-row chain's processed probability: top-n-sigma after
+    top-k takes the top-k survivors' deviation, a top-p before top-k declines the path."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(10)) * 2
+    settings = dict(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02, top_n_sigma=0.8)
+    settings = {name: value for name, value in settings.items() if name in order}
+    params = fs.StepParams(6, V, order=order, seed=torch.arange(6), **settings)
+    want = fs.process_step(logits, params)
+    for step in range(5):
+        out = fs.sample_step(logits, params=params, step=step)
+        torch.testing.assert_close(out.probs, want.gather(1, out.token_ids), rtol=1e-5, atol=0)

@@ -61,6 +61,15 @@ def _temperature(
     return x if t is None else cut.temperature(x, t)
 
 
+def _on(name: str, controls: Controls, samplers: Samplers) -> bool:
+    """Whether a stage of the order is on for the batch (a control, or a new stage)."""
+    if name == "temperature":
+        return controls.temperature is not None or samplers.dynatemp_on
+    if name in ("top_k", "top_p", "min_p"):
+        return getattr(controls, name) is not None
+    return samplers.on(name)
+
+
 def _stage(
     name: str, x: Tensor, controls: Controls, samplers: Samplers, rng: UniformSource,
     mu: Tensor | None, sigma_cut: Tensor | None = None, fixed_t: Tensor | None = None,
@@ -121,29 +130,19 @@ def candidates(
     if (scores.device.type != "cpu" or torch.compiler.is_compiling() or not isinstance(k, int)
             or k > CANDIDATES_MAX_K or scores.dtype == torch.float64):  # fmt: skip
         return None
-    before: list[str] = []
+    before: list[str] = []  # the stages that are on ahead of top-k
     for entry in samplers.order:
         if entry == "top_k":
             break
-        if isinstance(entry, tuple) or entry not in ("temperature", "min_p", "top_n_sigma"):
-            if isinstance(entry, tuple) or samplers.on(entry):
-                return None
-            continue
-        before.append(entry)
-    fixed_t = None
-    if samplers.dynatemp_on and "temperature" in before:
-        if before[0] != "temperature":
-            return None  # its entropy would be that of an earlier cut's survivors
-        # First in the chain: its temperature comes from the whole row's entropy, then it
-        # scales every entry alike (it commutes with taking the k largest).
-        x_all = scores if scores.dtype == torch.float32 else scores.float()
-        total = x_all.sum(-1)
-        fixed_t = cut.dynamic_temperature_value(
-            x_all, 1.0 if controls.temperature is None else controls.temperature,
-            samplers.dynatemp_range, samplers.dynatemp_exponent,  # type: ignore[attr-defined]
-            finite=bool(torch.isfinite(total).all()),
-        ).to(x_all.dtype)  # fmt: skip
-    if samplers.on("top_n_sigma") and "min_p" in before[: before.index("top_n_sigma")]:
+        if isinstance(entry, tuple):
+            return None
+        if _on(entry, controls, samplers):
+            if entry not in ("temperature", "min_p", "top_n_sigma"):
+                return None  # it weighs the whole row
+            before.append(entry)
+    if samplers.dynatemp_on and "temperature" in before and before[0] != "temperature":
+        return None  # its entropy would be that of an earlier cut's survivors
+    if "top_n_sigma" in before and "min_p" in before[: before.index("top_n_sigma")]:
         return None  # its deviation would be the min-p survivors'
     x = scores if scores.dtype == torch.float32 else scores.float()
     maxima = block_maxima(x)  # NaN propagates into its block's maximum, +inf is one
@@ -159,8 +158,18 @@ def candidates(
     values, ids = values.gather(1, by_value), ids.gather(1, by_value)
     if count < vocab and bool((values[:, -1] == values[:, k - 1]).any()):
         return None  # ties at the k-th beyond the candidates
+    # The whole-row numbers, once the candidates are sure to be used.
+    fixed_t = None
+    if samplers.dynatemp_on and "temperature" in before:
+        # First in the chain: its temperature comes from the whole row's entropy, then it
+        # scales every entry alike (it commutes with taking the k largest).
+        fixed_t = cut.dynamic_temperature_value(
+            x, 1.0 if controls.temperature is None else controls.temperature,
+            samplers.dynatemp_range, samplers.dynatemp_exponent,  # type: ignore[attr-defined]
+            finite=bool(torch.isfinite(x.sum(-1)).all()),
+        ).to(x.dtype)  # fmt: skip
     sigma_cut = None
-    if samplers.on("top_n_sigma"):
+    if "top_n_sigma" in before:
         sigma_cut = cut.top_n_sigma_threshold(x, samplers.top_n_sigma)  # type: ignore[attr-defined]
         t = controls.temperature if fixed_t is None else fixed_t
         if "temperature" in before[: before.index("top_n_sigma")] and t is not None:
