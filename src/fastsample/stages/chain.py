@@ -61,15 +61,6 @@ def _temperature(
     return x if t is None else cut.temperature(x, t)
 
 
-def _on(name: str, controls: Controls, samplers: Samplers) -> bool:
-    """Whether a stage of the order is on for the batch (a control, or a new stage)."""
-    if name == "temperature":
-        return controls.temperature is not None or samplers.dynatemp_on
-    if name in ("top_k", "top_p", "min_p"):
-        return getattr(controls, name) is not None
-    return samplers.on(name)
-
-
 def _stage(
     name: str, x: Tensor, controls: Controls, samplers: Samplers, rng: UniformSource,
     mu: Tensor | None, sigma_cut: Tensor | None = None, fixed_t: Tensor | None = None,
@@ -136,7 +127,7 @@ def candidates(
             break
         if isinstance(entry, tuple):
             return None
-        if _on(entry, controls, samplers):
+        if samplers.stage_on(entry, controls):
             if entry not in ("temperature", "min_p", "top_n_sigma"):
                 return None  # it weighs the whole row
             before.append(entry)

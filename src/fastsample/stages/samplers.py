@@ -124,6 +124,15 @@ class Samplers:
             return self.mirostat_tau is not None  # type: ignore[attr-defined]
         return getattr(self, stage, None) is not None
 
+    def stage_on(self, stage: str, controls: v.Controls) -> bool:
+        """Whether any stage of :data:`TRUNCATION_STAGES` is on for the batch, the controls
+        (temperature, top-k, top-p, min-p) included."""
+        if stage == "temperature":
+            return controls.temperature is not None or self.dynatemp_on
+        if stage in _CONTROLS:
+            return getattr(controls, stage) is not None
+        return self.on(stage)
+
     @property
     def truncation_on(self) -> bool:
         return any(self.on(s) for s in TRUNCATION_STAGES if s not in _CONTROLS)
@@ -228,11 +237,8 @@ class Samplers:
         """Raise if a stage that is on is missing from a custom order."""
         if self._preset != "custom":
             return
-        on = [s for s in TRUNCATION_STAGES if s not in _CONTROLS and self.on(s)]
-        on += [s for s in _CONTROLS if getattr(controls, s) is not None]
-        if self.dynatemp_on and "temperature" not in on:
-            on.append("temperature")
-        missing = [s for s in on if s not in self.order]
+        missing = [s for s in TRUNCATION_STAGES
+                   if self.stage_on(s, controls) and s not in self.order]  # fmt: skip
         if missing:
             raise ValueError(f"order leaves out stages that are on: {missing}")
 
