@@ -104,7 +104,7 @@ def match_lengths(hist: Tensor, limit: Tensor | None = None) -> Tensor:
     return length
 
 
-def _per_token(ids: Tensor, values: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+def _per_token(ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     """For each entry of ``ids`` (``(B, N)``, -1 = none), the largest ``values`` (in ``[-1,
     N]``) among the entries naming its token, and the count of those entries (a sort of the
     keys ``id * (N + 2) + value + 1``, then two searches)."""
@@ -164,11 +164,10 @@ def apply_(
     """Windowed penalties, DRY and no-repeat n-grams on ``x`` (``(R, V)`` logits), in place."""
     s = params.samplers
     hist = _context(state, rows, extra)
-    vocab = x.shape[1]
     last_n = s.penalty_last_n  # type: ignore[attr-defined]
     if last_n is not None and params.penalties_on:
         window = _window(hist, last_n)
-        _, counts = _per_token(window, torch.zeros_like(window), vocab)
+        _, counts = _per_token(window, torch.zeros_like(window))
         on = window >= 0
         if isinstance(last_n, Tensor):
             on &= (last_n != 0)[:, None]
@@ -187,7 +186,7 @@ def apply_(
         _dry_(x, hist, s, multiplier)
     n = s.no_repeat_ngram_size  # type: ignore[attr-defined]
     if n is not None:
-        longest, _ = _per_token(hist, match_lengths(hist), vocab)
+        longest, _ = _per_token(hist, match_lengths(hist))
         need = torch.as_tensor(n, device=x.device).reshape(-1, 1) - 1
         banned = (hist >= 0) & (longest >= need) & (need >= 0)
         ids = hist.clamp_min(0)
@@ -206,7 +205,7 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
     lengths = match_lengths(window, limit)
     # The window's first token extends nothing (it follows no position of the window).
     first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
-    longest, _ = _per_token(window, torch.where(first, -1, lengths), x.shape[1])
+    longest, _ = _per_token(window, torch.where(first, -1, lengths))
     allowed = _rows_value(s.dry_allowed_length, x)
     base = _rows_value(s.dry_base, x)
     mult = _rows_value(multiplier, x)
