@@ -96,7 +96,7 @@ def test_dry_multi_token_breaker_stops_the_match():
     ("name", "value"),
     [("typical_p", 0.0), ("typical_p", 1.5), ("epsilon_cutoff", 1.0), ("eta_cutoff", -0.1),
      ("top_n_sigma", math.inf), ("xtc_probability", 1.2), ("xtc_threshold", -0.1),
-     ("dynatemp_range", -1.0), ("mirostat_tau", 0.0), ("mirostat_eta", -1.0),
+     ("dynatemp_range", -1.0), ("mirostat_tau", -1.0), ("mirostat_eta", -1.0),
      ("penalty_last_n", -2), ("dry_multiplier", -1.0), ("dry_base", 0.5),
      ("dry_allowed_length", -1), ("dry_penalty_last_n", -3), ("no_repeat_ngram_size", -1)],
 )  # fmt: skip

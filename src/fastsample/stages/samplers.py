@@ -14,7 +14,7 @@ Truncation stages (the chain, :mod:`fastsample.stages.chain`, ops in
 * ``xtc_probability`` (off 0), ``xtc_threshold`` (default 0.1): llama.cpp's XTC;
 * ``dynatemp_range`` (off 0), ``dynatemp_exponent`` (default 1): llama.cpp's ``temp_ext``,
   the temperature stage scaled by the entropy;
-* ``mirostat_tau`` (off: None), ``mirostat_eta`` (default 0.1): mirostat v2, ``mu`` in the
+* ``mirostat_tau`` (off: None or 0), ``mirostat_eta`` (default 0.1): mirostat v2, ``mu`` in the
   :class:`~fastsample.stages.state.TokenStats`.
 
 History stages (logit edits before the chain, :mod:`fastsample.stages.history`; they need a
@@ -76,7 +76,8 @@ _SPECS: dict[str, tuple[str, Callable, str, float | None]] = {
     "xtc_threshold": ("float", lambda x: (x >= 0) & (x <= 1), "in [0, 1]", None),
     "dynatemp_range": ("float", lambda x: x >= 0, ">= 0 (0 = off)", 0.0),
     "dynatemp_exponent": ("float", lambda x: x >= 0, ">= 0", None),
-    "mirostat_tau": ("float", lambda x: x > 0, "> 0 (None = off)", None),
+    # 0 is off, as a tensor row's off value must be in range (mirostat_update skips it too).
+    "mirostat_tau": ("float", lambda x: x >= 0, ">= 0 (0 or None = off)", 0.0),
     "mirostat_eta": ("float", lambda x: x >= 0, ">= 0", None),
     "penalty_last_n": ("int", lambda x: x >= -1, ">= -1 (0 = the whole output, as vLLM)", 0),
     "dry_multiplier": ("float", lambda x: x >= 0, ">= 0 (0 = off)", 0.0),

@@ -7,7 +7,9 @@ more things per row, which the runner's ``InputBatch`` holds on the host:
   the ``step`` of its counter-based randomness and min-tokens' output length; vLLM keeps it
   exact (a token the runner discards, such as one sampled for an unfinished chunked prefill,
   is not counted);
-* the request's id, so that an unseeded request keeps the random key it got when it joined.
+* the request's id, so that an unseeded request keeps the random key it got when it joined;
+* the request's fastsample stages (``SamplingParams.extra_args["fastsample"]``,
+  :mod:`.request_stages`), read when it joins, and its context tokens for the history stages.
 
 :class:`FastsampleInputBatch` is vLLM's ``InputBatch`` whose metadata, when rebuilt (the
 batch changed), carries a weak reference to the batch (:data:`ROWS_ATTRIBUTE`).
@@ -23,11 +25,34 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
+from . import request_stages
+
 ROWS_ATTRIBUTE = "fastsample_rows"
 
 
 class FastsampleInputBatch(InputBatch):
-    """vLLM's ``InputBatch``; its sampling metadata points back to it."""
+    """vLLM's ``InputBatch``; its sampling metadata points back to it, and it keeps each
+    request's fastsample stages by request id."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fastsample_stages: dict[str, dict] = {}
+
+    def add_request(self, request):
+        from . import _warn_once
+
+        params = getattr(request, "sampling_params", None)
+        stages = None if params is None else request_stages.checked_or_none(
+            params.extra_args, self.vocab_size, _warn_once)  # fmt: skip
+        if stages:
+            self.fastsample_stages[request.req_id] = stages
+        else:
+            self.fastsample_stages.pop(request.req_id, None)
+        return super().add_request(request)
+
+    def remove_request(self, req_id: str):
+        self.fastsample_stages.pop(req_id, None)
+        return super().remove_request(req_id)
 
     def _make_sampling_metadata(self):
         metadata = super()._make_sampling_metadata()
@@ -52,6 +77,32 @@ class Rows:
     @property
     def known(self) -> bool:
         return self._batch_ref is not None and self._batch_ref() is not None
+
+    def stages(self) -> list[dict | None]:
+        """Each row's fastsample stages (None: none asked, or no input batch)."""
+        source = self._batch_ref() if self._batch_ref is not None else None
+        if source is None or self.req_ids is None:
+            return [None] * self.batch
+        table = getattr(source, "fastsample_stages", {})
+        return [table.get(r) for r in self.req_ids]
+
+    @property
+    def context_limit(self) -> int | None:
+        """The model's context length (the token table's width), or None without a batch."""
+        source = self._batch_ref() if self._batch_ref is not None else None
+        return None if source is None else int(source.token_ids_cpu.shape[1])
+
+    def prompt_ids(self, which: list[int]) -> torch.Tensor | None:
+        """``(len(which), longest prompt)`` int64 prompts of rows ``which``, -1 padded, read
+        from the batch's token table (None without a batch)."""
+        source = self._batch_ref() if self._batch_ref is not None else None
+        if source is None:
+            return None
+        rows = np.asarray(which, dtype=np.int64)
+        prompt = source.num_prompt_tokens[rows].astype(np.int64)
+        width = int(prompt.max(initial=0))
+        ids = source.token_ids_cpu[rows, :width].astype(np.int64)
+        return torch.from_numpy(np.where(np.arange(width) < prompt[:, None], ids, -1))
 
     def lengths(self) -> np.ndarray | None:
         """``(B,)`` int64: tokens each request has emitted so far (None without a batch)."""

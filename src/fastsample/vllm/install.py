@@ -15,6 +15,11 @@ runner the engine picks draws with fastsample:
   ``GPUWatermarkSampler``, whose subclass only says, once, that watermarked engines sample
   with vLLM's own code.
 
+One method of vLLM's front end is wrapped too: ``InputProcessor``'s builder of the per-request
+check of logits-processor arguments, so that a request's bad
+``extra_args["fastsample"]`` is its own ``VLLMValidationError`` (HTTP 400), naming the setting,
+before any work (:func:`.request_stages.check`).
+
 :func:`expected_runner` says which runner vLLM will build by default in this process (MRV2
 wherever vLLM counts Triton as usable: every GPU); the installer logs it once, and warns when
 it could not hook that runner. :data:`~.state.STATE` records what was hooked and what was built.
@@ -94,6 +99,30 @@ def _install_mrv2() -> None:
     })  # fmt: skip
 
 
+def _install_front_end() -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from . import request_stages
+
+    build = InputProcessor._build_logits_processors_params_validator
+
+    def checked_validator(self):
+        validate = build(self)
+        vocab = self.model_config.get_vocab_size()
+
+        def validator(params) -> None:
+            try:
+                request_stages.check(getattr(params, "extra_args", None), vocab)
+            except ValueError as exc:
+                raise VLLMValidationError(str(exc), parameter="extra_args") from None
+            validate(params)
+
+        return validator
+
+    _replace(InputProcessor, {"_build_logits_processors_params_validator": checked_validator})
+
+
 def install() -> None:
     """Hook both runners (idempotent). A runner that cannot be hooked (an import or a name
     missing) is logged: a warning when it is the one vLLM will build."""
@@ -114,6 +143,11 @@ def install() -> None:
             else:
                 logger.info("fastsample's vLLM plugin did not hook the %s runner (%s: %s)",
                             _label(name), type(exc).__name__, exc)  # fmt: skip
+    try:
+        _install_front_end()
+    except Exception as exc:  # the workers still check each request (one warning per error)
+        logger.info("fastsample's vLLM plugin did not hook vLLM's request checks (%s: %s)",
+                    type(exc).__name__, exc)  # fmt: skip
     STATE.installed = bool(STATE.hooked)
     if STATE.installed:
         logger.info(

@@ -20,6 +20,13 @@ step) and ``LogprobTokenIdsState``. The plugin reads them; it copies nothing per
   words of the tokens a step emitted, at the start of the next step (vLLM's counts are
   updated after the sampler returns; a token vLLM discarded keeps its bit clear).
 
+A request's fastsample stages (``SamplingParams.extra_args["fastsample"]``,
+:mod:`.request_stages`) are read when it joins its slot and kept by slot. DRY, no-repeat
+n-grams and ``penalty_last_n`` read the latest context tokens: :class:`SlotStats` keeps a
+``(slots, H)`` history, refreshed for the batch's slots every step from vLLM's own
+``all_token_ids`` (committed tokens, one gather on the device); mirostat's ``mu`` is kept per
+slot and reset when a request joins.
+
 The seed contract is the V1 plugin's: keys ``(seed, position)``, ``position`` = tokens the
 request has emitted before the drawn one (``pos + 1 - prompt_len`` of the logits row), so a
 seeded request draws the same tokens on both runners.
@@ -39,6 +46,8 @@ from torch import Tensor
 
 from ..ops import bitmask
 from ..stages import StepParams, TokenStats
+from ..stages.state import mirostat_update
+from . import request_stages
 from .plan import _as_numbers
 from .state import CALLS
 
@@ -60,10 +69,19 @@ class SlotStats:
         self.joined: set[int] = set()
         self._emitted: tuple[Tensor, Tensor] | None = None
 
-    def current(self, rows: Tensor, positions: Tensor) -> TokenStats:
+    def current(self, rows: Tensor, positions: Tensor,
+                context: tuple[Tensor, Tensor, int] | None = None) -> TokenStats:  # fmt: skip
         """The state for a step whose logits rows read slots ``rows`` (int64) at output
-        lengths ``positions``: new requests' seen words rebuilt, last step's refreshed."""
+        lengths ``positions``: new requests' seen words rebuilt, last step's refreshed.
+        ``context``: vLLM's ``all_token_ids``, each row's context length and the history
+        width: the rows' history is read from the table (``rows`` distinct)."""
         stats = self.stats
+        if context is not None:
+            table, ends, width = context
+            if stats.history is None or stats.history.shape[1] != width:
+                stats.history = torch.full((stats.batch, width), -1, dtype=torch.int64,
+                                           device=stats.device)  # fmt: skip
+            stats.history.index_copy_(0, rows, latest_tokens(table, rows, ends, width))
         if self._emitted is not None:
             slots, ids = self._emitted
             self._emitted = None
@@ -75,8 +93,28 @@ class SlotStats:
                 stats.output_counts.index_select(0, index) > 0
             )
             stats.seen_mask.index_copy_(0, index, seen)
+            stats.mirostat_mu.index_fill_(0, index, float("nan"))  # a new request starts
         stats.output_len.index_copy_(0, rows, positions)
         return stats
+
+    def moved_mu(self, rows: Tensor, token_ids: Tensor, probs: Tensor, params) -> None:
+        """Mirostat's ``mu`` of slots ``rows`` after they emitted ``token_ids`` (``-1``:
+        none) with processed probabilities ``probs``."""
+        mu = self.stats.mirostat_mu
+        moved = mirostat_update(mu.index_select(0, rows), token_ids, probs, params.mirostat_tau,
+                                params.mirostat_eta, self.stats.vocab)  # fmt: skip
+        mu.index_copy_(0, rows, moved)
+
+
+def latest_tokens(table: Tensor, slots: Tensor, ends: Tensor, width: int) -> Tensor:
+    """``(N, width)`` int64: each slot's last ``width`` tokens before ``ends`` (its context
+    length) in vLLM's ``(slots, max_model_len)`` token table, oldest first, ``-1`` before the
+    context's start."""
+    columns = ends.to(torch.int64)[:, None] - width + torch.arange(width, device=ends.device)
+    inside = columns >= 0
+    flat = slots[:, None] * table.stride(0) + columns.clamp(0, table.shape[1] - 1)
+    ids = table.reshape(-1).gather(0, flat.flatten()).view(flat.shape).to(torch.int64)
+    return torch.where(inside, ids, -1)
 
     def emitted(self, rows: Tensor, token_ids: Tensor) -> None:
         """The tokens a step drew for slots ``rows`` (``(N, n)``, ``-1`` = none)."""
@@ -120,6 +158,13 @@ class SlotPlan:
     logprob_ids: Tensor | None = None  # (N, M) requested ids, -1 padded (rows without: -1)
     raw_before_allowed: bool = False  # vLLM's raw values come before its allowed-ids mask
     stops_yield_to_grammar: bool = False
+    history: int = 0  # context tokens the history stages read (0: none)
+    mirostat: bool = False
+
+    @property
+    def needs_state(self) -> bool:
+        """Whether the step reads the slots' state (penalties, history, mirostat's ``mu``)."""
+        return self.penalties or self.history > 0 or self.mirostat
 
 
 class SlotPlans:
@@ -130,10 +175,15 @@ class SlotPlans:
         self.version = 0  # bumped whenever a slot gets a request
         self._plan: SlotPlan | None = None
         self.slot_stats = SlotStats(sampler.penalties_state)
+        self.stages: dict[int, dict] = {}  # each slot's fastsample stages (request_stages)
 
-    def joined(self, slot: int) -> None:
+    def joined(self, slot: int, stages: dict | None = None) -> None:
         self.version += 1
         self.slot_stats.joined.add(slot)
+        if stages:
+            self.stages[slot] = stages
+        else:
+            self.stages.pop(slot, None)
 
     def unsupported(self, idx_mapping_np: np.ndarray) -> str | None:
         """Why vLLM's own code must sample rows of these slots, or None (read when a plan
@@ -165,7 +215,7 @@ class SlotPlans:
             if reason is not None:
                 self._plan = SlotPlan(key, reason)
             else:
-                self._plan = build(self.sampler, key, input_batch, vocab, device)
+                self._plan = build(self.sampler, key, input_batch, vocab, device, self.stages)
         return self._plan
 
 
@@ -183,8 +233,10 @@ def _padded(table: Tensor, counts: np.ndarray, rows: Tensor) -> Tensor | None:
     return torch.where(torch.arange(width, device=ids.device) < count[:, None], ids, -1)
 
 
-def build(sampler, key: tuple, input_batch, vocab: int, device: torch.device) -> SlotPlan:
-    """A plan from the slots' settings (host arrays for the numbers, device tables for ids)."""
+def build(sampler, key: tuple, input_batch, vocab: int, device: torch.device,
+          stages: dict[int, dict]) -> SlotPlan:  # fmt: skip
+    """A plan from the slots' settings (host arrays for the numbers, device tables for ids)
+    and their fastsample stages (by slot)."""
     CALLS["plans"] += 1
     counts = np.diff(input_batch.cu_num_logits_np.astype(np.int64))
     slots_np = input_batch.idx_mapping_np.astype(np.int64)
@@ -195,6 +247,7 @@ def build(sampler, key: tuple, input_batch, vocab: int, device: torch.device) ->
     offset = torch.from_numpy(1 - req_states.prompt_len.np[rows_np].astype(np.int64)).to(device)
     prefill = torch.from_numpy(req_states.prefill_len.np[slots_np].astype(np.int32)).to(device)
     per_request = torch.from_numpy(counts.astype(np.int32)).to(device)
+    stage_rows = [stages.get(int(slot)) for slot in rows_np]
     states = sampler.sampling_states
     controls = {
         "temperature": _host(states.temperature.np, rows_np),
@@ -250,6 +303,9 @@ def build(sampler, key: tuple, input_batch, vocab: int, device: torch.device) ->
         logprobs_mode="raw" if fastsample_logprobs and mode.startswith("raw") else "processed",
         token_ranks=fastsample_logprobs,
         logprob_token_ids=logprob_ids if fastsample_logprobs else None,
+        **request_stages.batch_settings(stage_rows, device),
     )  # fmt: skip
+    history = request_stages.history_width(stage_rows, req_states.max_model_len)
     return SlotPlan(key, None, params, rows_np, offset, prefill, per_request, penalties,
-                    num_logprobs, logprob_ids, raw_before_allowed, yield_to_grammar)  # fmt: skip
+                    num_logprobs, logprob_ids, raw_before_allowed, yield_to_grammar, history,
+                    request_stages.mirostat_on(stage_rows))  # fmt: skip

@@ -117,8 +117,12 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         if STATE.delegate or not isinstance(sampler, FastsampleSamplerV2):
             CALLS["delegated"] += 1
             return super().__call__(logits, input_batch, draft_logits, invalid_drafts)
-        reason = unsupported_mode(self) or sampler.plans.plan(
-            input_batch, logits.shape[1], logits.device).unsupported
+        reason = unsupported_mode(self)
+        if reason is None:
+            plan = sampler.plans.plan(input_batch, logits.shape[1], logits.device)
+            # fastsample's verification does not move mirostat's mu yet
+            reason = plan.unsupported or ("mirostat with speculative decoding"
+                                          if plan.mirostat else None)  # fmt: skip
         if reason is not None:
             return self.hand_over(logits, input_batch, draft_logits, invalid_drafts,
                                   "unsupported " + reason, "fastsample's vLLM plugin leaves "
@@ -157,8 +161,12 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         extra, _, _, _ = chain_layout(cu, local, draft_sampled, k)
         slots = input_batch.idx_mapping.to(torch.int64)
         first = positions.index_select(0, cu[:-1])  # each request's position (emitted so far)
-        if plan.penalties:
-            where = dict(state=sampler.plans.slot_stats.current(slots, first), state_rows=rows)
+        if plan.needs_state:  # the history: each request's committed context (drafts: extra)
+            ends = input_batch.positions.index_select(0, input_batch.logits_indices)
+            context = (sampler.req_states.all_token_ids.gpu, ends.index_select(0, cu[:-1]) + 1,
+                       plan.history) if plan.history else None  # fmt: skip
+            state = sampler.plans.slot_stats.current(slots, first, context)
+            where = dict(state=state, state_rows=rows)
         else:  # min-tokens read each row's length: the request's, plus its drafts (extra)
             needed = plan.params.stop_ids is not None
             where = dict(output_len=first.index_select(0, _request_of(cu, local)) if needed

@@ -10,8 +10,9 @@ structured-output bitmask already written into the logits, and expects its own
    settings changed) and each row's position ``pos + 1 - prompt_len`` (device ops);
 2. one ``sample_step`` with every stage on the rows' slots: allowed ids, logit bias,
    min-tokens, penalties (vLLM's own prompt bitmask and output counts, read in place through
-   ``state_rows``), temperature, min-p then top-k and top-p (``cut_order="vllm"``), greedy
-   (``T == 0``), the draw keyed ``(seed, position)``, and the logprobs;
+   ``state_rows``), temperature, min-p then top-k and top-p (``cut_order="vllm"``), the
+   request's fastsample stages (``extra_args``: :mod:`.request_stages`), greedy (``T == 0``),
+   the draw keyed ``(seed, position)``, and the logprobs;
 3. vLLM's output, built from fastsample's results (:func:`logprobs_tensors`), and vLLM's own
    helpers for what it counts (``get_num_nans``, ``get_num_sampled_and_rejected``,
    ``SamplingMaskTensors``).
@@ -35,6 +36,7 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 
 from ..ops import threads
 from ..stages import SampleOutput, process_step, sample_step, staged_logits
+from . import request_stages
 from .logprobs import raw_values
 from .mrv2_plan import SlotPlan, SlotPlans
 from .state import CALLS, STATE
@@ -60,7 +62,11 @@ class FastsampleSamplerV2(Sampler):
 
     def add_request(self, req_idx: int, sampling_params) -> None:
         super().add_request(req_idx, sampling_params)
-        self.plans.joined(req_idx)
+        from . import _warn_once
+
+        stages = request_stages.checked_or_none(getattr(sampling_params, "extra_args", None),
+                                                self.req_states.vocab_size, _warn_once)  # fmt: skip
+        self.plans.joined(req_idx, stages)
 
     @threads.one_thread_calls  # the plugin's own passes too (fastsample.ops.threads)
     def __call__(self, logits: Tensor, input_batch) -> SamplerOutput:
@@ -104,24 +110,31 @@ class FastsampleSamplerV2(Sampler):
         plan = self.plans.plan(input_batch, logits.shape[1], logits.device)
         return plan, *rows_and_positions(plan, input_batch)
 
-    def stage_state(self, plan: SlotPlan, rows: Tensor, positions: Tensor) -> dict:
-        """``sample_step``'s state arguments: the slots' penalties' state, else the lengths."""
-        if plan.penalties:
-            return dict(state=self.plans.slot_stats.current(rows, positions), state_rows=rows)
+    def stage_state(self, plan: SlotPlan, rows: Tensor, positions: Tensor,
+                    ends: Tensor | None = None) -> dict:  # fmt: skip
+        """``sample_step``'s state arguments: the slots' state (penalties, history, mirostat's
+        ``mu``; ``ends``: each row's context length, for the history), else the lengths."""
+        if plan.needs_state:
+            context = None
+            if plan.history:
+                context = (self.req_states.all_token_ids.gpu, ends, plan.history)
+            state = self.plans.slot_stats.current(rows, positions, context)
+            return dict(state=state, state_rows=rows)
         return dict(output_len=positions if plan.params.stop_ids is not None else None)
 
     def _draw(self, logits: Tensor, input_batch, plan: SlotPlan) -> SamplerOutput:
         CALLS["sample"] += 1
         num_nans = get_num_nans(logits) if self.compute_nans else None
         rows, positions = rows_and_positions(plan, input_batch)
+        ends = input_batch.positions.index_select(0, input_batch.logits_indices) + 1
         params = plan.params
-        where = self.stage_state(plan, rows, positions)
+        where = self.stage_state(plan, rows, positions, ends)
         out = sample_step(logits, params=params, step=positions, **where)
         if plan.stops_yield_to_grammar and not bool(out.valid.all()):
             # Rows whose grammar allowed only their (min-tokens-masked) stop tokens: drawn
             # again with min-tokens off there, as vLLM restores the stop tokens.
             done = torch.where(out.valid, positions, torch.iinfo(torch.int64).max)
-            where = self.stage_state(plan, rows, done)
+            where = self.stage_state(plan, rows, done, ends)
             if "output_len" in where:
                 where["output_len"] = done
             out = sample_step(logits, params=params, step=positions, **where)
@@ -131,6 +144,11 @@ class FastsampleSamplerV2(Sampler):
                                         lambda: staged_logits(logits, params, **where))
         if plan.penalties:
             self.plans.slot_stats.emitted(rows, out.token_ids)
+        if plan.mirostat:  # a token vLLM discards (a chunked prefill's) moves nothing
+            kept = (input_batch.seq_lens >= plan.prefill).repeat_interleave(
+                plan.logits_per_request.to(torch.int64))  # fmt: skip
+            self.plans.slot_stats.moved_mu(rows, torch.where(kept[:, None], out.token_ids, -1),
+                                           out.probs, params)  # fmt: skip
         num_sampled, num_rejected = self.sampled_and_rejected(plan, input_batch, None)
         mask = None
         if self.return_sampling_mask:

@@ -28,6 +28,9 @@ logits processors of ``vllm/v1/sample/logits_processor/builtin.py``):
   drawn from torch's global generator when its request first joins, and kept by request id.
 * ``max_num_logprobs``, ``logprob_token_ids`` and the runner's ``logprobs_mode`` say what
   logprobs to return (:mod:`.logprobs`).
+* ``SamplingParams.extra_args["fastsample"]`` (kept by the input batch per request): the new
+  stages (:mod:`.request_stages`); DRY, no-repeat n-grams and ``penalty_last_n`` read a
+  history of the latest context tokens kept in the TokenStats, mirostat its ``mu``.
 
 A batch with something fastsample does not do gets ``unsupported`` (a reason) and is
 sampled by vLLM's own code: bad words (vLLM's host loop over prefixes), custom logits
@@ -44,6 +47,7 @@ from torch import Tensor
 
 from ..ops.validation import check_controls
 from ..stages import StepParams, TokenStats
+from . import request_stages
 from .batch import Rows
 from .state import CALLS
 from .stats import carried, stats_from_ids
@@ -197,6 +201,7 @@ class Plan:
     # allows nothing else (MinTokensLogitsProcessor); the sampler redraws such rows.
     stops_yield_to_grammar: bool = False
     for_verify: bool = False
+    history: int = 0  # context tokens the state keeps for the history stages
 
     def matches(self, metadata, batch: int, vocab: int, verify: bool = False) -> bool:
         return (self.metadata is metadata and (self.batch, self.vocab) == (batch, vocab)
@@ -217,7 +222,8 @@ class Plan:
             if self.stats is not None:  # rebuild the rows that disagree
                 source = np.where(lengths == self.counted, np.arange(self.batch), -1).tolist()
                 self.stats = carried(self.stats, source, lambda which: build_stats(
-                    self.metadata, self.rows, self.vocab, lengths, which))  # fmt: skip
+                    self.metadata, self.rows, self.vocab, lengths, which,
+                    self.history))  # fmt: skip
                 CALLS["stats_rebuilds"] += 1
             self.counted = lengths.copy()
         return torch.from_numpy(lengths).to(self.device)
@@ -228,16 +234,18 @@ class Plan:
         self.counted = self.counted + counts
 
 
-def build_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray,
-                which: list[int]) -> TokenStats:  # fmt: skip
-    """The penalties' state of rows ``which`` now, from their prompts and emitted tokens (the
-    runner's token table, else the metadata's output lists)."""
-    prompts = metadata.prompt_token_ids
+def build_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray, which: list[int],
+                history: int = 0) -> TokenStats:  # fmt: skip
+    """The state of rows ``which`` now, from their prompts and emitted tokens (the runner's
+    token table, else the metadata's lists), keeping ``history`` context tokens."""
+    prompts = metadata.prompt_token_ids  # vLLM builds it only for the penalties
     index = torch.tensor(which, dtype=torch.int64)
-    if prompts is None:
-        prompts = torch.full((len(which), 0), -1, dtype=torch.int64)
-    else:
+    if prompts is not None:
         prompts = prompts.index_select(0, index.to(prompts.device))
+    else:
+        prompts = rows.prompt_ids(which)
+        if prompts is None:
+            prompts = torch.full((len(which), 0), -1, dtype=torch.int64)
     outputs = rows.output_ids(lengths, which)
     if outputs is None:  # no input batch (a dummy run, a benchmark): the metadata's lists
         lists = metadata.output_token_ids or []
@@ -246,13 +254,14 @@ def build_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray,
         for row, tokens in enumerate(chosen):
             if tokens:
                 outputs[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-    return stats_from_ids(prompts, outputs.to(prompts.device), vocab)
+    return stats_from_ids(prompts, outputs.to(prompts.device), vocab, history)
 
 
-def plan_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray,
-               previous: Plan | None) -> TokenStats:  # fmt: skip
+def plan_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray, previous: Plan | None,
+               history: int = 0) -> TokenStats:  # fmt: skip
     """The batch's state: requests that were in ``previous`` with the lengths it counted keep
-    their rows; the others are built (all of them without request ids)."""
+    their rows; the others are built (all of them without request ids). When the history's
+    width changes, every row is built and the carried rows keep their mirostat ``mu``."""
     batch = len(lengths)
     source = [-1] * batch
     if (previous is not None and previous.stats is not None and previous.counted is not None
@@ -262,8 +271,18 @@ def plan_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray,
             row = where.get(req_id, -1)
             if row >= 0 and previous.counted[row] == lengths[b]:
                 source[b] = row
-    return carried(previous.stats if previous is not None else None, source,
-                   lambda which: build_stats(metadata, rows, vocab, lengths, which))  # fmt: skip
+    def build(which: list[int]) -> TokenStats:
+        return build_stats(metadata, rows, vocab, lengths, which, history)
+
+    if previous is None or previous.stats is None or previous.history == history:
+        return carried(previous.stats if previous is not None else None, source, build)
+    stats = build(list(range(batch)))
+    kept = [b for b in range(batch) if source[b] >= 0]
+    if kept:
+        index = torch.tensor(kept, dtype=torch.int64, device=stats.device)
+        mu = previous.stats.mirostat_mu.index_select(0, index.new_tensor([source[b] for b in kept]))
+        stats.mirostat_mu.index_copy_(0, index, mu)
+    return stats
 
 
 def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None = None,
@@ -277,6 +296,9 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
     vocab, device = logits.shape[1], logits.device
     rows = Rows(metadata, batch)
     reason = unsupported_reason(metadata)
+    stage_rows = rows.stages()
+    if reason is None and verify and request_stages.mirostat_on(stage_rows):
+        reason = "mirostat with speculative decoding"
     if reason is not None:
         return Plan(metadata, batch, vocab, device, unsupported=reason, rows=rows)
     greedy = metadata.all_greedy or metadata.temperature is None
@@ -316,15 +338,18 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
         logprobs_mode="raw" if wanted and logprobs_mode.startswith("raw") else "processed",
         token_ranks=wanted,
         logprob_token_ids=None if ids_fs is None else [ids_fs.get(b) for b in range(batch)],
+        **request_stages.batch_settings(stage_rows, device),
     )  # fmt: skip
     lengths = rows.lengths()
     if lengths is None:  # no input batch: the metadata's output lists, if it has them
         lists = metadata.output_token_ids or []
         lengths = np.array([len(x) for x in lists[:batch]] + [0] * (batch - len(lists[:batch])),
                            dtype=np.int64)  # fmt: skip
+    history = request_stages.history_width(stage_rows, rows.context_limit or 0)
     stats = None
-    if params.penalties_on or (verify and params.stop_ids is not None):
-        stats = plan_stats(metadata, rows, vocab, lengths, previous)
+    if (params.penalties_on or history or request_stages.mirostat_on(stage_rows)
+            or (verify and params.stop_ids is not None)):  # fmt: skip
+        stats = plan_stats(metadata, rows, vocab, lengths, previous, history)
     return Plan(metadata, batch, vocab, device, None, params, stats, params.seed, rows,
                 lengths.copy(), num_logprobs, ids, own_raw, request_keys,
-                min_tokens is not None and min_tokens[2], verify)  # fmt: skip
+                min_tokens is not None and min_tokens[2], verify, history)  # fmt: skip

@@ -122,8 +122,8 @@ class FastsampleSampler(Sampler):
 
             logprobs = as_vllm(out, self.logprobs_mode, plan.num_logprobs, plan.logprob_ids,
                                logits, processed, params.controls.temperature)  # fmt: skip
-        if plan.stats is not None:
-            plan.stats.update(out.token_ids)
+        if plan.stats is not None:  # probs: mirostat's mu moves by the drawn token's
+            plan.stats.update(out.token_ids, probs=out.probs, params=params)
         plan.emitted(1)
         tokens = out.token_ids.to(torch.int32)
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)

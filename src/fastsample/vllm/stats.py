@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..ops import bitmask
 from ..stages import TokenStats
-from ..stages.state import counts_dtype
+from ..stages.state import counts_dtype, shift_in
 
 MAX_OUTPUT_TOKENS = 32767
 """The counts' range (int16): a request emitting more saturates its counts at this value."""
@@ -42,9 +42,10 @@ def id_words(ids: Tensor, vocab: int) -> Tensor:
     return bitmask.as_int32(words)
 
 
-def stats_from_ids(prompts: Tensor, outputs: Tensor, vocab: int) -> TokenStats:
+def stats_from_ids(prompts: Tensor, outputs: Tensor, vocab: int, history: int = 0) -> TokenStats:
     """The state of requests with these prompts and emitted tokens (``(B, L)`` int64, padded
-    with ids outside ``[0, V)``)."""
+    at the end with ids outside ``[0, V)``); ``history``: how many of the latest context tokens
+    it keeps (DRY, no-repeat n-grams, ``penalty_last_n``)."""
     batch, device = prompts.shape[0], prompts.device
     outputs = outputs.to(device)
     inside = (outputs >= 0) & (outputs < vocab)
@@ -53,7 +54,12 @@ def stats_from_ids(prompts: Tensor, outputs: Tensor, vocab: int) -> TokenStats:
         counts.scatter_add_(1, torch.where(inside, outputs, 0), inside.to(counts.dtype))
     prompt = id_words(prompts, vocab)
     seen = prompt | id_words(outputs, vocab)
-    return TokenStats(prompt, counts, inside.sum(-1), seen, MAX_OUTPUT_TOKENS)
+    window = None
+    if history:
+        window = torch.full((batch, history), -1, dtype=torch.int64, device=device)
+        for ids in (prompts, outputs):  # each padded at the end: valid entries first
+            window = shift_in(window, torch.where((ids >= 0) & (ids < vocab), ids, -1))
+    return TokenStats(prompt, counts, inside.sum(-1), seen, MAX_OUTPUT_TOKENS, window)
 
 
 def carried(previous: TokenStats, source: Sequence[int], build) -> TokenStats:
