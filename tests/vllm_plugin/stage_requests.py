@@ -12,6 +12,9 @@ vLLM engine: the checks both runners' tests run (``test_vllm_stages.py`` on the 
   leave with other stages and windows, and those tokens are the replay's.
 * :func:`check_bad_settings_are_the_requests_error` -- a bad entry is vLLM's validation error
   for that request, naming the setting, and the engine serves on.
+* with speculative decoding (``test_vllm_speculative.py``, ``test_mrv2_verification.py``):
+  :func:`check_dry_with_drafts` -- a greedy request with DRY is verified by fastsample and
+  equals the replay; :func:`check_mirostat_with_drafts_is_vllms_with_one_warning`.
 """
 
 from __future__ import annotations
@@ -137,3 +140,30 @@ def check_bad_settings_are_the_requests_error(llm) -> None:
         with pytest.raises(VLLMValidationError, match=named):
             run(llm, [[1, 2, 3]], params)
     assert len(run(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))[0]) == 2
+
+
+def check_dry_with_drafts(llm, path: str) -> None:
+    """With speculative decoding (the engine's), a greedy request with DRY is verified by
+    fastsample, and its tokens are the replay's: verification saw the drafts before each
+    position as context, as the step after them would."""
+    before = dict(CALLS)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                            extra_args={"fastsample": DRY})  # fmt: skip
+    tokens = run(llm, [REPEAT_PROMPT], params)[0]
+    assert CALLS["verify"] > before["verify"] and CALLS["delegated"] == before["delegated"]
+    assert dry_extensions(REPEAT_PROMPT + tokens, len(REPEAT_PROMPT), 2) == []
+    assert replay(path, REPEAT_PROMPT, tokens, 0, 0.0, DRY) == tokens
+
+
+def check_mirostat_with_drafts_is_vllms_with_one_warning(llm, caplog) -> None:
+    import logging
+
+    before = dict(CALLS)
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True,
+                            extra_args={"fastsample": {"mirostat_tau": 3.0}})  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="fastsample.vllm"):
+        for _ in range(2):
+            assert len(run(llm, [[5, 17, 3]], params)[0]) == 6
+    assert CALLS["delegated"] > before["delegated"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "fastsample.vllm"]
+    assert len([x for x in lines if "mirostat with speculative decoding" in x]) == 1, lines

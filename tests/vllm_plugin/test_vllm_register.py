@@ -69,6 +69,7 @@ def test_register_swaps_the_runner_names_once(fresh):
         (runner.__name__, "InputBatch"), (runner.__name__, "apply_grammar_bitmask"),
         (mrv2.__name__, "Sampler"), (mrv2.__name__, "RejectionSampler"),
         (mrv2.__name__, "GPUWatermarkSampler"),
+        ("InputProcessor", "_build_logits_processors_params_validator"),  # the front end
     ])  # fmt: skip
     assert mrv2.Sampler.__name__ == "FastsampleSamplerV2"
     assert fv.runners()["hooked"] == ["mrv2", "v1"]
@@ -77,6 +78,10 @@ def test_register_swaps_the_runner_names_once(fresh):
     assert runner.Sampler is Sampler and runner.RejectionSampler is RejectionSampler
     assert mrv2.Sampler is originals[(mrv2.__name__, "Sampler")]
     assert fv.runners()["hooked"] == []
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    assert InputProcessor._build_logits_processors_params_validator is originals[
+        ("InputProcessor", "_build_logits_processors_params_validator")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("value", "expected"), [

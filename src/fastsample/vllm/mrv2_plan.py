@@ -105,6 +105,10 @@ class SlotStats:
                                 params.mirostat_eta, self.stats.vocab)  # fmt: skip
         mu.index_copy_(0, rows, moved)
 
+    def emitted(self, rows: Tensor, token_ids: Tensor) -> None:
+        """The tokens a step drew for slots ``rows`` (``(N, n)``, ``-1`` = none)."""
+        self._emitted = (rows, token_ids)
+
 
 def latest_tokens(table: Tensor, slots: Tensor, ends: Tensor, width: int) -> Tensor:
     """``(N, width)`` int64: each slot's last ``width`` tokens before ``ends`` (its context
@@ -115,10 +119,6 @@ def latest_tokens(table: Tensor, slots: Tensor, ends: Tensor, width: int) -> Ten
     flat = slots[:, None] * table.stride(0) + columns.clamp(0, table.shape[1] - 1)
     ids = table.reshape(-1).gather(0, flat.flatten()).view(flat.shape).to(torch.int64)
     return torch.where(inside, ids, -1)
-
-    def emitted(self, rows: Tensor, token_ids: Tensor) -> None:
-        """The tokens a step drew for slots ``rows`` (``(N, n)``, ``-1`` = none)."""
-        self._emitted = (rows, token_ids)
 
 
 def refresh_seen(stats: TokenStats, slots: Tensor, ids: Tensor) -> None:
@@ -212,6 +212,8 @@ class SlotPlans:
         key = (idx_mapping_np.tobytes(), cu_num_logits_np.tobytes(), self.version, vocab)
         if self._plan is None or self._plan.key != key:
             reason = self.unsupported(idx_mapping_np)
+            if reason is not None and any(self.stages.get(int(s)) for s in idx_mapping_np):
+                reason += " (their requests' fastsample stages do not run there)"
             if reason is not None:
                 self._plan = SlotPlan(key, reason)
             else:

@@ -121,7 +121,8 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         if reason is None:
             plan = sampler.plans.plan(input_batch, logits.shape[1], logits.device)
             # fastsample's verification does not move mirostat's mu yet
-            reason = plan.unsupported or ("mirostat with speculative decoding"
+            reason = plan.unsupported or ("mirostat with speculative decoding (its requests' "
+                                          "fastsample stages do not run there)"
                                           if plan.mirostat else None)  # fmt: skip
         if reason is not None:
             return self.hand_over(logits, input_batch, draft_logits, invalid_drafts,

@@ -299,6 +299,8 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
     stage_rows = rows.stages()
     if reason is None and verify and request_stages.mirostat_on(stage_rows):
         reason = "mirostat with speculative decoding"
+    if reason is not None and any(stage_rows):
+        reason += " (their requests' fastsample stages do not run there)"
     if reason is not None:
         return Plan(metadata, batch, vocab, device, unsupported=reason, rows=rows)
     greedy = metadata.all_greedy or metadata.temperature is None
