@@ -175,6 +175,9 @@ def test_tree_prefixes_follow_the_paths():
     tokens = torch.tensor([[9, 1, 2, 3, 4]])
     parents = [-1, 0, 0, 1, 3]  # node 4's path: 1, 3, 4 (the root's token is not counted)
     got = targets.tree_prefixes(tokens, parents)[0]
+    # In order from the root, as a chain's prefixes (DRY and no-repeat n-grams read the order).
+    assert got.tolist() == [[-1] * 4, [1, -1, -1, -1], [2, -1, -1, -1], [1, 3, -1, -1],
+                            [1, 3, 4, -1]]  # fmt: skip
     paths = [sorted(t for t in row.tolist() if t >= 0) for row in got]
     assert paths == [[], [1], [2], [1, 3], [1, 3, 4]]
     assert torch.equal(targets.tree_prefixes(tokens, torch.tensor(parents)), got[None])
@@ -200,6 +203,29 @@ def test_tree_with_stages_matches_probs_processed_by_hand():
                             state=stats, seed=seed)  # fmt: skip
     for a, b in zip(by_hand, staged, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_tree_node_with_history_stages_is_the_step_after_its_path():
+    """DRY, no-repeat n-grams and windowed penalties read the path in order: each node's
+    distribution is the step's after the prompt and its path (a reversed path fails)."""
+    vocab = 20
+    prompt = [1, 2, 5, 6, 3, 1, 2, 4, 5]
+    settings = dict(temperature=1.0, dry_multiplier=1.0, dry_allowed_length=1,
+                    no_repeat_ngram_size=3, penalty_last_n=4, presence_penalty=0.5)
+    params = fs.StepParams(2, vocab, **settings)
+    stats = fs.TokenStats.from_prompts([prompt] * 2, vocab, history=32)
+    parents = [-1, 0, 1, 0, 3]
+    tokens = torch.tensor([[0, 5, 6, 3, 1], [0, 4, 5, 6, 3]])
+    logits = torch.randn(2, 5, vocab, generator=torch.Generator().manual_seed(4))
+    got = targets.processed_positions(logits, targets.tree_prefixes(tokens, parents), params,
+                                      stats, None)  # fmt: skip
+    for b in range(2):
+        for node, path in enumerate(([], [1], [1, 2], [3], [3, 4])):
+            after = fs.TokenStats.from_prompts([prompt + tokens[b, path].tolist()], vocab,
+                                               history=32)  # fmt: skip
+            one = fs.StepParams(1, vocab, **settings)
+            want = fs.process_step(logits[b, node][None], one, state=after)[0]
+            torch.testing.assert_close(got[b, node], want, rtol=0, atol=1e-6)
 
 
 def test_bad_combinations_raise():

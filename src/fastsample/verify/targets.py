@@ -72,8 +72,9 @@ def chain_prefixes(draft_token_ids: Tensor) -> Tensor:
 
 
 def tree_prefixes(token_ids: Tensor, parents: Sequence[int] | Tensor) -> Tensor:
-    """``(B, N, N)``: node ``n`` holds the tokens on its path from the root (the root's own
-    token excluded: it is already in the sequence), deepest first, then -1."""
+    """``(B, N, N - 1)``: node ``n`` holds the tokens on its path from the root (the root's own
+    token excluded: it is already in the sequence), oldest first as a chain's prefixes, then
+    -1 (the history stages read the order: DRY, no-repeat n-grams, windowed penalties)."""
     batch, n = token_ids.shape
     device = token_ids.device
     if isinstance(parents, Tensor):
@@ -91,4 +92,9 @@ def tree_prefixes(token_ids: Tensor, parents: Sequence[int] | Tensor) -> Tensor:
         current = torch.where(inside, parent.gather(1, current.clamp_min(0)), -1)
     if not steps:
         return torch.full((batch, n, 0), -1, dtype=torch.int64, device=device)
-    return torch.stack(steps, -1)
+    deepest_first = torch.stack(steps, -1)
+    # Oldest first: entry i of a path of d tokens is the walk's entry d - 1 - i.
+    depth = (deepest_first >= 0).sum(-1, keepdim=True)
+    at = torch.arange(n - 1, device=device)
+    oldest_first = deepest_first.gather(-1, (depth - 1 - at).clamp_min(0))
+    return torch.where(at < depth, oldest_first, -1)
