@@ -242,3 +242,59 @@ def test_bad_combinations_raise():
 def law_cases():
     yield LawCase(f"verify_chain with penalties: first two tokens (V={V})", joint_law(),
                   DRAWS, CLAIM)  # fmt: skip
+
+
+def _stepped(stats, params, logits_rows, path):
+    """The processed distribution after stepping ``path`` (one token per row at a time, each
+    moving mirostat's mu by its own processed probability): the reference of a position."""
+    state = stats.select(torch.arange(stats.batch))
+    for logits, token in zip(logits_rows, path, strict=False):
+        p = fs.process_step(logits, params, state=state)
+        ids = torch.tensor(token)[:, None]
+        state.update(ids, probs=p.gather(1, ids), params=params)
+    return state
+
+
+def test_mirostat_positions_are_the_steps_after_their_drafts():
+    """Mirostat's mu moves with each draft by its processed probability at its parent: every
+    chain position and tree node equals the step after its path; ``update`` with the targets
+    moves the state's mu as the steps did. Negative control: one mu for every position."""
+    vocab, gen = 30, torch.Generator().manual_seed(8)
+    settings = dict(temperature=1.0, mirostat_tau=torch.tensor([2.0, 3.0, 0.0]),
+                    mirostat_eta=0.5, typical_p=0.95)  # fmt: skip
+    params = fs.StepParams(3, vocab, **settings)
+    stats = fs.TokenStats.from_prompts([[1, 2], [3], []], vocab, history=8)
+    stats.mirostat_mu = torch.tensor([3.0, float("nan"), float("nan")])
+    logits = torch.randn(3, 4, vocab, generator=gen) * 2
+    drafts = torch.randint(0, vocab, (3, 3), generator=gen)
+    got = targets.processed_positions(logits, targets.chain_prefixes(drafts), params, stats, None)
+    for j in range(4):
+        state = _stepped(stats, params, [logits[:, i] for i in range(j)],
+                         [drafts[:, i].tolist() for i in range(j)])  # fmt: skip
+        want = fs.process_step(logits[:, j], params, state=state)
+        torch.testing.assert_close(got[:, j], want, rtol=0, atol=1e-6)
+    # After verification: the emitted tokens' probabilities read from the targets.
+    emitted = torch.cat((drafts[:, :2], torch.full((3, 2), -1)), 1)
+    after = stats.select(torch.arange(3))
+    after.update(emitted, probs=got, params=params)
+    first_two = [drafts[:, 0].tolist(), drafts[:, 1].tolist()]
+    want = _stepped(stats, params, [logits[:, 0], logits[:, 1]], first_two)
+    torch.testing.assert_close(after.mirostat_mu, want.mirostat_mu, equal_nan=True)
+    # A tree: node n's path from the root; siblings share their parent's mu.
+    parents = [-1, 0, 0, 1]
+    tokens = torch.cat((torch.zeros(3, 1, dtype=torch.int64), drafts), 1)
+    tree_got = targets.processed_positions(logits, targets.tree_prefixes(tokens, parents),
+                                           params, stats, None, parents)  # fmt: skip
+    for node, path in enumerate(([], [1], [2], [1, 3])):
+        state = _stepped(stats, params, [logits[:, 0]] + [logits[:, n] for n in path[:-1]],
+                         [tokens[:, n].tolist() for n in path])  # fmt: skip
+        want = fs.process_step(logits[:, node], params, state=state)
+        torch.testing.assert_close(tree_got[:, node], want, rtol=0, atol=1e-6)
+    # Negative control: the state's mu at every position differs where drafts moved it.
+    frozen = torch.stack([fs.process_step(logits[:, j], params, state=stats,
+                                          extra=targets.chain_prefixes(drafts)[:, j],
+                                          mirostat_mu=stats.mirostat_mu)
+                          for j in range(4)], 1)  # fmt: skip
+    assert (frozen[:2, 1:] - got[:2, 1:]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="mirostat_mu"):
+        fs.process_step(logits[:, 1], params, state=stats, extra=drafts[:, :1])

@@ -12,10 +12,11 @@ what is handed to vLLM's own code.
   with the target itself as the draft, every draft is accepted; the negative control, the
   draft's temperature forgotten, rejects some (6% with these seeds).
 * Synthetic acceptance rates are vLLM's own code, with one warning, in an engine; so is a
-  batch with bad words, and one with mirostat (``extra_args``).
+  batch with bad words.
 * A greedy request with DRY (``extra_args``) is verified by fastsample, the history read from
   MRV2's token table and the drafts before each row: its tokens are fastsample's own step
-  replayed on the model's logits (``stage_requests.check_dry_with_drafts``).
+  replayed on the model's logits (``stage_requests.check_dry_with_drafts``); a request with
+  mirostat is verified by fastsample, its tokens in mirostat's support.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from mrv2_helpers import engine_mrv2
 from stage_requests import (
     check_dry_with_drafts,
-    check_mirostat_with_drafts_is_vllms_with_one_warning,
+    check_mirostat_with_drafts,
 )
 from vllm import SamplingParams
 from vllm_helpers import (
@@ -187,11 +188,44 @@ def test_negative_control_drafts_read_without_their_temperature(path, monkeypatc
     assert _acceptance(path, monkeypatch, broken=True) < 0.98  # 0.94 with these seeds
 
 
-def test_fastsample_stages_with_drafts(caplog):
+def test_fastsample_stages_with_drafts():
     path = checkpoint("stages")
     llm = engine_mrv2(path, speculative_config=speculative(path))
     try:
         check_dry_with_drafts(llm, path)
-        check_mirostat_with_drafts_is_vllms_with_one_warning(llm, caplog)
+        check_mirostat_with_drafts(llm, path)
     finally:
         close(llm)
+
+
+def test_mirostat_on_mrv2s_flat_rows_is_the_librarys_chain():
+    """MRV2's flat rows with mirostat (``_with_mirostat``: one pass per draft position) give
+    each request's chain positions as ``processed_positions`` does (mu moved by the drafts)."""
+    from fastsample.verify import targets
+    from fastsample.vllm.mrv2_rejection import _with_mirostat
+
+    drafts = [[4, 9], [7]]  # two requests: 3 and 2 logits rows
+    cu, local, tokens = _flat(drafts)
+    k = 2
+    extra, logit_rows, _, _ = chain_layout(cu, local, tokens, k)
+    slots = torch.tensor([1, 0])  # the requests' rows of the state
+    rows = slots.repeat_interleave(cu[1:] - cu[:-1])
+    settings = dict(temperature=1.0, mirostat_eta=0.5, typical_p=0.9)
+    flat_params = fs.StepParams(5, V, mirostat_tau=torch.tensor([2.0, 2.0, 2.0, 3.0, 3.0]),
+                                **settings)  # fmt: skip
+    stats = fs.TokenStats.from_prompts([[1, 2], [3, 4]], V, history=8)
+    stats.mirostat_mu = torch.tensor([2.5, float("nan")])
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(2)) * 2
+    flat = _with_mirostat(logits, flat_params, extra, dict(state=stats, rows=rows), local,
+                          tokens, stats.mirostat_mu.index_select(0, rows), k)  # fmt: skip
+    request_params = fs.StepParams(2, V, mirostat_tau=torch.tensor([2.0, 3.0]), **settings)
+    chain = torch.tensor([[4, 9], [7, -1]])
+    want = targets.processed_positions(logits[logit_rows], targets.chain_prefixes(chain),
+                                       request_params, stats, None, state_rows=slots)  # fmt: skip
+    for b, count in enumerate((3, 2)):
+        torch.testing.assert_close(flat[logit_rows[b, :count]], want[b, :count], rtol=0,
+                                   atol=1e-6)  # fmt: skip
+    # Negative control: one pass, every row at its request's starting mu.
+    once = fs.process_step(logits, flat_params, state=stats, rows=rows, extra=extra,
+                           mirostat_mu=stats.mirostat_mu.index_select(0, rows))  # fmt: skip
+    assert (once - flat).abs().max() > 1e-3

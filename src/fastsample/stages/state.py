@@ -285,7 +285,9 @@ class TokenStats:
 
         With mirostat on in ``params`` (a :class:`~fastsample.StepParams`), ``probs`` (the
         step's ``out.probs``: each emitted token's processed probability) moves each row's
-        ``mu`` by ``-eta * (-log2 q - tau)`` per emitted token (llama.cpp's update)."""
+        ``mu`` by ``-eta * (-log2 q - tau)`` per emitted token (llama.cpp's update). After a
+        chain's verification, ``probs`` may be the ``(B, K+1, V)`` target distributions (token
+        ``i`` was emitted at position ``i``): each emitted token's is read there."""
         if not isinstance(token_ids, Tensor) or token_ids.dim() != 2:
             raise ValueError("token_ids must be a (batch, n) int64 tensor")
         if token_ids.shape[0] != self.batch:
@@ -295,6 +297,10 @@ class TokenStats:
         if token_ids.shape[1] == 0:
             return
         tau = getattr(params, "mirostat_tau", None)
+        if tau is not None and probs is not None and probs.dim() == 3:
+            if probs.shape[:2] != token_ids.shape:
+                raise ValueError("probs of shape (B, n, V) must match token_ids (B, n)")
+            probs = probs.gather(2, token_ids.clamp(0, probs.shape[2] - 1)[..., None])[..., 0]
         if tau is not None:
             if probs is None or tuple(probs.shape) != tuple(token_ids.shape):
                 raise ValueError("mirostat is on: pass probs=out.probs (shaped as token_ids)")

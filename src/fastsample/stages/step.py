@@ -298,17 +298,19 @@ def _mirostat_mu(
 
 def _chain_distribution(
     scores: Tensor, params: StepParams, state: TokenStats | None, rows: Tensor | None,
-    extra: Tensor | None,
+    extra: Tensor | None, mirostat_mu: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """The chain's processed distribution. XTC's coin is not drawn: the result is its exact
     mixture, ``q`` times the chain with XTC's removal plus ``1 - q`` times without."""
     samplers = params.samplers
-    if samplers.on("mirostat") and extra is not None:
-        raise ValueError(
-            "mirostat in speculative verification is not supported: its mu moves with each "
-            "draft token"
-        )
-    mu = _mirostat_mu(params, state, rows)
+    mu = mirostat_mu
+    if mu is None:
+        if samplers.on("mirostat") and extra is not None and bool(extra.shape[1]):
+            raise ValueError(
+                "mirostat with drafts (extra=): its mu moves with each draft token, so pass "
+                "each row's mirostat_mu (fastsample.verify.targets.processed_positions does)"
+            )
+        mu = _mirostat_mu(params, state, rows)
     off = chain.off_controls(params.controls)
 
     def distribution(coin: float) -> Tensor:
@@ -357,23 +359,32 @@ def process_step(
     output_len: int | Tensor | None = None,
     rows: Tensor | None = None,
     extra: Tensor | None = None,
+    mirostat_mu: Tensor | None = None,
 ) -> Tensor:
     """The processed distribution of every row after all stages: ``(B, V)`` float32 (float64
     for float64 logits), rows summing to 1, invalid rows all zeros (as
     :func:`fastsample.process`).
 
     ``rows`` (``(B,)`` int64) maps each row to its row of ``state`` (and of ``output_len``)
-    and ``extra`` (``(B, E)`` int64, -1 = none) adds tokens counted as already emitted: the
-    drafts before each target position in speculative verification.
+    and ``extra`` (``(B, E)`` int64, -1 = none, oldest first) adds tokens counted as already
+    emitted: the drafts before each target position in speculative verification.
+    ``mirostat_mu`` (``(B,)`` float32): mirostat's ``mu`` of each row in place of the
+    state's; with mirostat on and drafts in ``extra`` it is required, since ``mu`` moves with
+    each draft (:func:`fastsample.verify.targets.processed_positions` computes it).
     """
     source, words, indices = _check_inputs(
         logits, None, params, state, token_bitmask, bitmask_indices, output_len, rows
     )
+    if mirostat_mu is not None and (
+        not isinstance(mirostat_mu, Tensor) or tuple(mirostat_mu.shape) != (source.shape[0],)
+        or mirostat_mu.device != source.device
+    ):  # fmt: skip
+        raise ValueError(f"mirostat_mu must be a ({source.shape[0]},) tensor on {source.device}")
     ready = _prepare(
         source, True, params, state, words, indices, output_len, False, rows, extra, True
     )
     if params.chain_on:
-        out = _chain_distribution(ready.scores, params, state, rows, extra)
+        out = _chain_distribution(ready.scores, params, state, rows, extra, mirostat_mu)
         fine = _chain_controls_ok(params)
         if fine is not None:
             out = torch.where(fine[:, None], out, 0.0)

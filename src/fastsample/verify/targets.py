@@ -12,6 +12,13 @@ its path from the root), and the request's :class:`~fastsample.stages.StepParams
 All positions go through :func:`fastsample.stages.process_step` at once, as a
 ``(B * positions, V)`` batch whose rows map to their request's statistics (no copy of the
 state), with the drafts before each position as its extra tokens.
+
+Mirostat is the exception: its ``mu`` moves with every emitted token by that token's
+processed probability, so position ``j``'s ``mu`` is its parent's moved by the draft that
+leads to ``j``, read from the parent's processed distribution. With mirostat on, the
+positions are processed one after another in index order (a parent comes before its
+children), each with its ``mu``; after verification ``TokenStats.update(token_ids,
+probs=target_probs, params=params)`` moves the state's ``mu`` by the emitted tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..stages import StepParams, TokenStats, process_step
+from ..stages.state import mirostat_update
 
 
 def _flat_bitmask(token_bitmask: Tensor | None, batch: int, positions: int) -> Tensor | None:
@@ -41,9 +49,13 @@ def processed_positions(
     params: StepParams,
     state: TokenStats | None,
     token_bitmask: Tensor | None,
+    parents: Sequence[int] | Tensor | None = None,
+    state_rows: Tensor | None = None,
 ) -> Tensor:
     """``(B, P, V)`` processed distributions of ``(B, P, V)`` logits, position ``j`` of row ``b``
-    counting ``prefixes[b, j]`` (``(B, P, E)`` int64, -1 = none) as already emitted."""
+    counting ``prefixes[b, j]`` (``(B, P, E)`` int64, -1 = none, oldest first) as already
+    emitted. ``parents``: each position's parent (``-1``: the root; None: a chain, ``j - 1``),
+    read by mirostat only. ``state_rows`` (``(B,)`` int64): each request's row of ``state``."""
     if not isinstance(target_logits, Tensor) or target_logits.dim() != 3:
         raise ValueError("target_logits must be a (batch, positions, vocab) tensor")
     batch, positions, vocab = target_logits.shape
@@ -51,7 +63,12 @@ def processed_positions(
         raise ValueError(
             f"params must be a StepParams built for the requests: ({batch}, {vocab})"
         )
+    if params.samplers.on("mirostat"):
+        return _with_mirostat(target_logits, prefixes, params, state, token_bitmask, parents,
+                              state_rows)  # fmt: skip
     rows = torch.arange(batch, device=target_logits.device).repeat_interleave(positions)
+    if state_rows is not None:
+        rows = state_rows.index_select(0, rows)
     probs = process_step(
         target_logits.reshape(batch * positions, vocab),
         params.repeat_rows(positions),
@@ -61,6 +78,52 @@ def processed_positions(
         extra=prefixes.reshape(batch * positions, -1),
     )
     return probs.view(batch, positions, vocab)
+
+
+def _with_mirostat(
+    target_logits: Tensor, prefixes: Tensor, params: StepParams, state: TokenStats | None,
+    token_bitmask: Tensor | None, parents: Sequence[int] | Tensor | None,
+    state_rows: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """:func:`processed_positions` one position at a time, each with its ``mu``."""
+    batch, positions, vocab = target_logits.shape
+    device = target_logits.device
+    if state is None:
+        raise ValueError("mirostat keeps mu in the state: pass state=")
+    if parents is None:
+        parent = (torch.arange(positions, device=device) - 1).expand(batch, positions)
+    elif isinstance(parents, Tensor):
+        parent = parents.long().to(device).expand(batch, positions)
+    else:
+        parent = torch.tensor(list(parents), dtype=torch.int64, device=device).expand(
+            batch, positions)  # fmt: skip
+    depth = (prefixes >= 0).sum(-1)  # (B, P): the draft leading to j is prefixes[j][depth - 1]
+    leading = torch.full_like(depth, -1)
+    if prefixes.shape[-1]:  # no drafts at all: every position is a root
+        leading = prefixes.gather(-1, (depth - 1).clamp_min(0)[..., None]).squeeze(-1)
+    start = state.mirostat_mu if state_rows is None else state.mirostat_mu.index_select(
+        0, state_rows)  # fmt: skip
+    mus: list[Tensor] = []
+    probs: list[Tensor] = []
+    for j in range(positions):
+        mu = start
+        if j:  # the parent's mu, moved by the draft leading here at the parent's probability
+            par = parent[:, j]
+            token = torch.where((depth[:, j] > 0) & (par >= 0) & (par < j), leading[:, j], -1)
+            at = token.clamp_min(0)[:, None]
+            mu_par, p_par = start, torch.zeros(batch, dtype=probs[0].dtype, device=device)
+            for i in range(j):
+                here = par == i
+                mu_par = torch.where(here, mus[i], mu_par)
+                p_par = torch.where(here, probs[i].gather(1, at).squeeze(1), p_par)
+            mu = mirostat_update(mu_par, token[:, None], p_par[:, None], params.mirostat_tau,
+                                 params.mirostat_eta, vocab)  # fmt: skip
+        words = None if token_bitmask is None else token_bitmask[:, j]
+        probs.append(process_step(target_logits[:, j], params, state=state,
+                                  token_bitmask=words, rows=state_rows, extra=prefixes[:, j],
+                                  mirostat_mu=mu))  # fmt: skip
+        mus.append(mu)
+    return torch.stack(probs, 1)
 
 
 def chain_prefixes(draft_token_ids: Tensor) -> Tensor:

@@ -301,7 +301,7 @@ def verify_tree(
             raise TypeError(f"tree must be a fastsample.TokenTree, got {type(tree).__name__}")
         prefixes = targets.tree_prefixes(tree.token_ids.long(), tree.parents)
         target_probs = targets.processed_positions(
-            target_logits, prefixes, params, state, token_bitmask
+            target_logits, prefixes, params, state, token_bitmask, tree.parents
         )
     elif state is not None or token_bitmask is not None:
         raise ValueError("state and token_bitmask go with target_logits and params")

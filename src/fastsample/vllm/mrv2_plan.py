@@ -97,12 +97,13 @@ class SlotStats:
         stats.output_len.index_copy_(0, rows, positions)
         return stats
 
-    def moved_mu(self, rows: Tensor, token_ids: Tensor, probs: Tensor, params) -> None:
-        """Mirostat's ``mu`` of slots ``rows`` after they emitted ``token_ids`` (``-1``:
-        none) with processed probabilities ``probs``."""
+    def moved_mu(self, rows: Tensor, token_ids: Tensor, probs: Tensor, tau, eta) -> None:
+        """Mirostat's ``mu`` of slots ``rows`` (distinct) after they emitted ``token_ids``
+        (``(N, n)``, ``-1``: none) with processed probabilities ``probs`` (``(N, n)``);
+        ``tau``, ``eta``: the rows' settings."""
         mu = self.stats.mirostat_mu
-        moved = mirostat_update(mu.index_select(0, rows), token_ids, probs, params.mirostat_tau,
-                                params.mirostat_eta, self.stats.vocab)  # fmt: skip
+        moved = mirostat_update(mu.index_select(0, rows), token_ids, probs, tau, eta,
+                                self.stats.vocab)  # fmt: skip
         mu.index_copy_(0, rows, moved)
 
     def emitted(self, rows: Tensor, token_ids: Tensor) -> None:

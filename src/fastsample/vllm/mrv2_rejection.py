@@ -36,6 +36,7 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from ..ops import threads
 from ..stages import process_step, staged_logits
+from ..stages.state import mirostat_update
 from ..verify import verify_chain
 from .logprobs import from_full, raw_values
 from .mrv2_sampler import FastsampleSamplerV2, _process_args, _warn_once
@@ -117,13 +118,8 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         if STATE.delegate or not isinstance(sampler, FastsampleSamplerV2):
             CALLS["delegated"] += 1
             return super().__call__(logits, input_batch, draft_logits, invalid_drafts)
-        reason = unsupported_mode(self)
-        if reason is None:
-            plan = sampler.plans.plan(input_batch, logits.shape[1], logits.device)
-            # fastsample's verification does not move mirostat's mu yet
-            reason = plan.unsupported or ("mirostat with speculative decoding (its requests' "
-                                          "fastsample stages do not run there)"
-                                          if plan.mirostat else None)  # fmt: skip
+        reason = unsupported_mode(self) or sampler.plans.plan(
+            input_batch, logits.shape[1], logits.device).unsupported
         if reason is not None:
             return self.hand_over(logits, input_batch, draft_logits, invalid_drafts,
                                   "unsupported " + reason, "fastsample's vLLM plugin leaves "
@@ -173,7 +169,12 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
             where = dict(output_len=first.index_select(0, _request_of(cu, local)) if needed
                          else None)  # fmt: skip
         args = _process_args(where)
-        probs = process_step(logits, plan.params, extra=extra, **args)
+        if plan.mirostat:
+            start = where["state"].mirostat_mu.index_select(0, rows)
+            probs = _with_mirostat(logits, plan.params, extra, args, local, draft_sampled, start,
+                                   k)  # fmt: skip
+        else:
+            probs = process_step(logits, plan.params, extra=extra, **args)
         target = probs[logit_rows]
         q = None
         if draft_logits is not None and k:
@@ -190,6 +191,13 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         emitted = out.num_emitted.clamp_min(1).to(torch.int32)
         if plan.penalties:
             sampler.plans.slot_stats.emitted(slots, tokens)
+        if plan.mirostat:  # mu moves by each emitted token at its position (none in a prefill)
+            done = (input_batch.seq_lens >= plan.prefill)[:, None]
+            ids = torch.where(done, tokens, -1)
+            at = probs[logit_rows].gather(2, ids.clamp_min(0)[..., None])[..., 0]
+            tau, eta = (_of_rows(getattr(plan.params, name), cu[:-1])
+                        for name in ("mirostat_tau", "mirostat_eta"))  # fmt: skip
+            sampler.plans.slot_stats.moved_mu(slots, ids, at, tau, eta)
         num_sampled, num_rejected = sampler.sampled_and_rejected(plan, input_batch, emitted)
         logprobs = None
         wanted = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
@@ -230,6 +238,30 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         expanded = logits.shape[0] != input_batch.num_reqs
         return out._replace(logprob_token_ids=out.logprob_token_ids.to(torch.int64),
                             cu_num_generated_tokens=cu.tolist() if expanded else None)
+
+
+def _with_mirostat(logits: Tensor, params, extra: Tensor, args: dict, local: Tensor,
+                   leading: Tensor, start: Tensor, k: int) -> Tensor:  # fmt: skip
+    """The flat rows' distributions with mirostat: row ``r`` past a request's first takes the
+    ``mu`` of row ``r - 1`` moved by its input token (the draft row ``r - 1`` verifies) at row
+    ``r - 1``'s probability. One pass per draft position, each over every row (the rows of
+    position ``j`` are right once position ``j - 1``'s are)."""
+    prev = (torch.arange(logits.shape[0], device=logits.device) - 1).clamp_min(0)
+    token = torch.where(local > 0, leading, -1)[:, None]
+    mu = start
+    probs = process_step(logits, params, extra=extra, mirostat_mu=mu, **args)
+    for j in range(1, k + 1):
+        at = probs.index_select(0, prev).gather(1, token.clamp_min(0))
+        moved = mirostat_update(mu.index_select(0, prev), token, at, params.mirostat_tau,
+                                params.mirostat_eta, logits.shape[1])  # fmt: skip
+        mu = torch.where(local == j, moved, mu)
+        probs = process_step(logits, params, extra=extra, mirostat_mu=mu, **args)
+    return probs
+
+
+def _of_rows(value, rows: Tensor):
+    """A setting (a number, or a tensor of the flat rows) at ``rows``."""
+    return value.index_select(0, rows) if isinstance(value, Tensor) else value
 
 
 def _request_of(cu: Tensor, local: Tensor) -> Tensor:

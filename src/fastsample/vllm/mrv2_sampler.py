@@ -148,7 +148,8 @@ class FastsampleSamplerV2(Sampler):
             kept = (input_batch.seq_lens >= plan.prefill).repeat_interleave(
                 plan.logits_per_request.to(torch.int64))  # fmt: skip
             self.plans.slot_stats.moved_mu(rows, torch.where(kept[:, None], out.token_ids, -1),
-                                           out.probs, params)  # fmt: skip
+                                           out.probs, params.mirostat_tau,
+                                           params.mirostat_eta)  # fmt: skip
         num_sampled, num_rejected = self.sampled_and_rejected(plan, input_batch, None)
         mask = None
         if self.return_sampling_mask:

@@ -297,8 +297,6 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
     rows = Rows(metadata, batch)
     reason = unsupported_reason(metadata)
     stage_rows = rows.stages()
-    if reason is None and verify and request_stages.mirostat_on(stage_rows):
-        reason = "mirostat with speculative decoding"
     if reason is not None and any(stage_rows):
         reason += " (their requests' fastsample stages do not run there)"
     if reason is not None:

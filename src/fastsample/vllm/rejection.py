@@ -157,8 +157,8 @@ class FastsampleRejectionSampler(RejectionSampler):
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(plan, sampling_metadata.max_num_logprobs, tokens, target,
                                       probs, prefixes, bitmask, positions)  # fmt: skip
-        if plan.stats is not None:
-            plan.stats.update(tokens)
+        if plan.stats is not None:  # probs: mirostat's mu moves by each token at its position
+            plan.stats.update(tokens, probs=probs, params=params)
         plan.emitted((tokens >= 0).sum(-1).cpu().numpy())
         return SamplerOutput(sampled_token_ids=tokens.to(torch.int32), logprobs_tensors=logprobs)
 
