@@ -11,6 +11,7 @@ from stage_requests import (
     check_bad_settings_are_the_requests_error,
     check_dry_and_xtc_act,
     check_every_stage_is_batch_invariant,
+    check_the_history_widens_with_the_context,
 )
 from vllm_helpers import checkpoint, close
 
@@ -28,6 +29,10 @@ def test_dry_and_xtc_act_through_the_engine(llm):
 
 def test_a_seeded_request_with_every_stage_is_batch_invariant(llm):
     check_every_stage_is_batch_invariant(llm, checkpoint("stages"))
+
+
+def test_the_history_widens_with_the_context(llm):
+    check_the_history_widens_with_the_context(llm, checkpoint("stages"))
 
 
 def test_bad_settings_are_the_requests_error(llm):

@@ -9,7 +9,10 @@ vLLM engine: the checks both runners' tests run (``test_vllm_stages.py`` on the 
   acting); the replay without XTC draws other tokens (XTC acting).
 * :func:`check_every_stage_is_batch_invariant` -- a seeded request with every stage on,
   mirostat and XTC included, draws the same tokens alone and among neighbours that join and
-  leave with other stages and windows, and those tokens are the replay's.
+  leave with other stages and windows, its context outgrowing the history's first width,
+  and those tokens are the replay's.
+* :func:`check_the_history_widens_with_the_context` -- no-repeat n-grams still see a prompt's
+  first tokens once the context outgrew the history's first width.
 * :func:`check_bad_settings_are_the_requests_error` -- a bad entry is vLLM's validation error
   for that request, naming the setting, and the engine serves on.
 * with speculative decoding (``test_vllm_speculative.py``, ``test_mrv2_verification.py``):
@@ -48,11 +51,12 @@ def run(llm, prompts, params):
 
 
 def replay(path: str, prompt: list[int], tokens: list[int], seed: int, temperature: float,
-           stages: dict) -> list[int]:  # fmt: skip
+           stages: dict, logit_bias: dict[int, float] | None = None) -> list[int]:  # fmt: skip
     """The tokens fastsample's ``sample_step`` draws on the model's own logits (through
     transformers) after ``prompt`` and each prefix of ``tokens``, keyed ``(seed, position)``
     with the stages in vLLM's order: what the plugin must have drawn."""
     params = fs.StepParams(1, VOCAB, temperature=temperature, seed=seed, cut_order="vllm",
+                           logit_bias=None if logit_bias is None else [logit_bias],
                            **batch_settings([stages], torch.device("cpu")))  # fmt: skip
     state = fs.TokenStats.from_prompts([prompt], VOCAB, history=history_width([stages], CONTEXT))
     logits = next_token_logits(path, [prompt + tokens[:i] for i in range(len(tokens))])
@@ -101,7 +105,8 @@ def check_dry_and_xtc_act(llm, path: str) -> None:
 
 def check_every_stage_is_batch_invariant(llm, path: str) -> None:
     seed, t = 99, 0.9
-    prompt = [5, 17, 3, 42, 9, 5, 17, 3]
+    # 56 + 20 tokens: the history (as wide as the contexts, from 64) widens mid-request.
+    prompt = [5, 17, 3, 42, 9, 5, 17, 3] * 7
     params = SamplingParams(temperature=t, seed=seed, max_tokens=20, ignore_eos=True,
                             extra_args={"fastsample": EVERY_STAGE})  # fmt: skip
     alone = run(llm, [prompt], params)[0]
@@ -122,6 +127,19 @@ def check_every_stage_is_batch_invariant(llm, path: str) -> None:
                             [neighbours[0], params, *neighbours[1:]], use_tqdm=False)  # fmt: skip
     assert generated(together)[1] == alone
     assert replay(path, prompt, alone, seed, t, EVERY_STAGE) == alone
+
+
+def check_the_history_widens_with_the_context(llm, path: str) -> None:
+    """The history starts as wide as the contexts (64 here) and widens as they grow: a
+    bigram of the prompt's first tokens is still banned (no-repeat n-grams) once it lies more
+    than 64 tokens back. A history stuck at 64 tokens lets 41 follow 40 at the 11th token."""
+    prompt = [40, 41, 42, 43, *range(100, 156)]  # 60 tokens
+    bias = dict.fromkeys((40, 41, 42, 43), 30.0)  # the model picks among these first
+    stages = {"no_repeat_ngram_size": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias=bias,
+                            extra_args={"fastsample": stages})  # fmt: skip
+    tokens = run(llm, [prompt], params)[0]
+    assert replay(path, prompt, tokens, 0, 0.0, stages, bias) == tokens
 
 
 BAD = [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastsample as fs
-from fastsample.vllm.request_stages import batch_settings, check, history_width
+from fastsample.vllm.request_stages import batch_settings, check, fitted_width, history_width
 
 CPU = torch.device("cpu")
 
@@ -58,3 +58,9 @@ def test_check_passes_good_settings_and_other_extra_args():
     assert check(None) is None and check({"other": 1}) is None
     good = {"dry_multiplier": 0.8, "dry_sequence_breakers": [[1], [2, 3]], "top_n_sigma": 1.0}
     assert check({"fastsample": good, "other": 1}, vocab=50) == good
+
+
+def test_the_history_is_as_wide_as_the_contexts():
+    assert fitted_width(0, 500) == 0
+    assert fitted_width(256, 10) == 64 and fitted_width(256, 65) == 128
+    assert fitted_width(256, 300) == 256 and fitted_width(40, 10) == 40

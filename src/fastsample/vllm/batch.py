@@ -92,6 +92,11 @@ class Rows:
         source = self._batch_ref() if self._batch_ref is not None else None
         return None if source is None else int(source.token_ids_cpu.shape[1])
 
+    def prompt_lengths(self) -> np.ndarray | None:
+        """``(B,)`` int64 prompt lengths (None without a batch)."""
+        source = self._batch_ref() if self._batch_ref is not None else None
+        return None if source is None else source.num_prompt_tokens[: self.batch].astype(np.int64)
+
     def prompt_ids(self, which: list[int]) -> torch.Tensor | None:
         """``(len(which), longest prompt)`` int64 prompts of rows ``which``, -1 padded, read
         from the batch's token table (None without a batch)."""

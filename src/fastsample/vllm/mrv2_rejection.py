@@ -39,7 +39,7 @@ from ..stages import process_step, staged_logits
 from ..stages.state import mirostat_update
 from ..verify import verify_chain
 from .logprobs import from_full, raw_values
-from .mrv2_sampler import FastsampleSamplerV2, _process_args, _warn_once
+from .mrv2_sampler import FastsampleSamplerV2, _process_args, _warn_once, history_width
 from .rejection import residual_at_cuts
 from .state import CALLS, STATE
 
@@ -161,7 +161,7 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         if plan.needs_state:  # the history: each request's committed context (drafts: extra)
             ends = input_batch.positions.index_select(0, input_batch.logits_indices)
             context = (sampler.req_states.all_token_ids.gpu, ends.index_select(0, cu[:-1]) + 1,
-                       plan.history) if plan.history else None  # fmt: skip
+                       history_width(plan, input_batch)) if plan.history else None  # fmt: skip
             state = sampler.plans.slot_stats.current(slots, first, context)
             where = dict(state=state, state_rows=rows)
         else:  # min-tokens read each row's length: the request's, plus its drafts (extra)

@@ -111,13 +111,14 @@ class FastsampleSamplerV2(Sampler):
         return plan, *rows_and_positions(plan, input_batch)
 
     def stage_state(self, plan: SlotPlan, rows: Tensor, positions: Tensor,
-                    ends: Tensor | None = None) -> dict:  # fmt: skip
+                    ends: Tensor | None = None, input_batch=None) -> dict:  # fmt: skip
         """``sample_step``'s state arguments: the slots' state (penalties, history, mirostat's
         ``mu``; ``ends``: each row's context length, for the history), else the lengths."""
         if plan.needs_state:
             context = None
             if plan.history:
-                context = (self.req_states.all_token_ids.gpu, ends, plan.history)
+                width = history_width(plan, input_batch)
+                context = (self.req_states.all_token_ids.gpu, ends, width)
             state = self.plans.slot_stats.current(rows, positions, context)
             return dict(state=state, state_rows=rows)
         return dict(output_len=positions if plan.params.stop_ids is not None else None)
@@ -128,13 +129,13 @@ class FastsampleSamplerV2(Sampler):
         rows, positions = rows_and_positions(plan, input_batch)
         ends = input_batch.positions.index_select(0, input_batch.logits_indices) + 1
         params = plan.params
-        where = self.stage_state(plan, rows, positions, ends)
+        where = self.stage_state(plan, rows, positions, ends, input_batch)
         out = sample_step(logits, params=params, step=positions, **where)
         if plan.stops_yield_to_grammar and not bool(out.valid.all()):
             # Rows whose grammar allowed only their (min-tokens-masked) stop tokens: drawn
             # again with min-tokens off there, as vLLM restores the stop tokens.
             done = torch.where(out.valid, positions, torch.iinfo(torch.int64).max)
-            where = self.stage_state(plan, rows, done, ends)
+            where = self.stage_state(plan, rows, done, ends, input_batch)
             if "output_len" in where:
                 where["output_len"] = done
             out = sample_step(logits, params=params, step=positions, **where)
@@ -172,6 +173,16 @@ def rows_and_positions(plan: SlotPlan, input_batch) -> tuple[Tensor, Tensor]:
     rows = input_batch.expanded_idx_mapping.to(torch.int64)
     pos = input_batch.positions.index_select(0, input_batch.logits_indices)
     return rows, (pos + plan.offset).clamp_min(0)
+
+
+def history_width(plan: SlotPlan, input_batch) -> int:
+    """The history's width this step: as wide as the batch's contexts (the host's upper
+    bound of its sequence lengths), at most the plan's cap (:mod:`.request_stages`)."""
+    bound = getattr(input_batch, "seq_lens_cpu_upper_bound", None)
+    if bound is None:
+        return plan.history
+    longest = int(bound[: input_batch.num_reqs].max()) if input_batch.num_reqs else 0
+    return request_stages.fitted_width(plan.history, longest)
 
 
 def _process_args(where: dict) -> dict:

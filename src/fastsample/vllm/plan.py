@@ -201,7 +201,8 @@ class Plan:
     # allows nothing else (MinTokensLogitsProcessor); the sampler redraws such rows.
     stops_yield_to_grammar: bool = False
     for_verify: bool = False
-    history: int = 0  # context tokens the state keeps for the history stages
+    history: int = 0  # context tokens the state keeps for the history stages now
+    history_cap: int = 0  # ... and at most (request_stages.fitted_width)
 
     def matches(self, metadata, batch: int, vocab: int, verify: bool = False) -> bool:
         return (self.metadata is metadata and (self.batch, self.vocab) == (batch, vocab)
@@ -226,7 +227,26 @@ class Plan:
                     self.history))  # fmt: skip
                 CALLS["stats_rebuilds"] += 1
             self.counted = lengths.copy()
+        self._fit_history(lengths)
         return torch.from_numpy(lengths).to(self.device)
+
+    def _fit_history(self, lengths: np.ndarray) -> None:
+        """Widen the history when a context outgrew it: every row rebuilt from the runner's
+        token table (as wide as the contexts now, :func:`.request_stages.fitted_width`),
+        mirostat's ``mu`` kept."""
+        prompts = None if self.rows is None else self.rows.prompt_lengths()
+        if not self.history_cap or self.stats is None or prompts is None:
+            return
+        width = request_stages.fitted_width(self.history_cap,
+                                            int((prompts + lengths).max(initial=0)))  # fmt: skip
+        if width <= self.history:
+            return
+        mu = self.stats.mirostat_mu
+        self.history = width
+        self.stats = build_stats(self.metadata, self.rows, self.vocab, lengths,
+                                 list(range(self.batch)), width)  # fmt: skip
+        self.stats.mirostat_mu = mu
+        CALLS["stats_rebuilds"] += 1
 
     def emitted(self, counts: np.ndarray | int) -> None:
         """Rows emitted ``counts`` tokens this step (the stats were updated with them)."""
@@ -345,11 +365,14 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
         lists = metadata.output_token_ids or []
         lengths = np.array([len(x) for x in lists[:batch]] + [0] * (batch - len(lists[:batch])),
                            dtype=np.int64)  # fmt: skip
-    history = request_stages.history_width(stage_rows, rows.context_limit or 0)
+    cap = request_stages.history_width(stage_rows, rows.context_limit or 0)
+    prompt_lengths = rows.prompt_lengths()
+    history = cap if prompt_lengths is None else request_stages.fitted_width(
+        cap, int((prompt_lengths + lengths).max(initial=0)))  # fmt: skip
     stats = None
     if (params.penalties_on or history or request_stages.mirostat_on(stage_rows)
             or (verify and params.stop_ids is not None)):  # fmt: skip
         stats = plan_stats(metadata, rows, vocab, lengths, previous, history)
     return Plan(metadata, batch, vocab, device, None, params, stats, params.seed, rows,
                 lengths.copy(), num_logprobs, ids, own_raw, request_keys,
-                min_tokens is not None and min_tokens[2], verify, history)  # fmt: skip
+                min_tokens is not None and min_tokens[2], verify, history, cap)  # fmt: skip

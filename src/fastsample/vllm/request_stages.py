@@ -17,8 +17,9 @@ with its own values. Three places use this module:
 * each runner's plan (:func:`batch_settings`): the rows' settings as ``StepParams`` keywords,
   a Python number where every row agrees (the shorter paths), else a ``(B,)`` tensor whose
   rows without the stage hold its off value;
-* the state (:func:`history_width`): how many context tokens DRY, no-repeat n-grams and
-  ``penalty_last_n`` read, capped by the model's context length.
+* the state (:func:`history_width`, :func:`fitted_width`): how many context tokens DRY,
+  no-repeat n-grams and ``penalty_last_n`` read, capped by the model's context length and
+  kept only as wide as the batch's contexts.
 """
 
 from __future__ import annotations
@@ -113,10 +114,24 @@ def mirostat_on(rows: Sequence[dict | None]) -> bool:
     return any(r and r.get("mirostat_tau") for r in rows)
 
 
+def fitted_width(cap: int, longest: int) -> int:
+    """The history's width for contexts of at most ``longest`` tokens: the power of two
+    (at least 64) that holds them, at most ``cap`` (:func:`history_width`). A history as
+    long as the context holds all of it, so every stage sees what a ``cap``-wide one would,
+    and a step costs the contexts' length, not the model's (a window of -1 with
+    ``max_model_len`` 128k); a power of two keeps the rebuilds as contexts grow to a few."""
+    if cap <= 0:
+        return 0
+    width = 64
+    while width < longest:
+        width *= 2
+    return min(cap, width)
+
+
 def history_width(rows: Sequence[dict | None], context: int) -> int:
-    """The context tokens the batch's history stages read (0: none): each row's windows
-    (``-1``, and no-repeat n-grams, mean the whole context), at most ``context`` (the model's
-    context length)."""
+    """The context tokens the batch's history stages read at most (0: none): each row's
+    windows (``-1``, and no-repeat n-grams, mean the whole context), at most ``context`` (the
+    model's context length)."""
     width = 0
     for r in rows:
         if not r:
