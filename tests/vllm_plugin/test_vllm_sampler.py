@@ -260,7 +260,7 @@ def test_penalties_state_is_carried_over_when_the_batch_changes(monkeypatch):
     built = []
     real = plan_module.stats_from_ids
     monkeypatch.setattr(plan_module, "stats_from_ids",
-                        lambda p, o, v: built.append(p.shape[0]) or real(p, o, v))  # fmt: skip
+                        lambda p, *rest: built.append(p.shape[0]) or real(p, *rest))  # fmt: skip
     md2 = second.metadata()
     plan = build_plan(md2, logits_for(4), "raw_logprobs", previous=sampler._plan)
     assert built == [1]  # e only: a, d and c were carried over
