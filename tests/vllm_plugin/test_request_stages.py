@@ -64,3 +64,10 @@ def test_the_history_is_as_wide_as_the_contexts():
     assert fitted_width(0, 500) == 0
     assert fitted_width(256, 10) == 64 and fitted_width(256, 65) == 128
     assert fitted_width(256, 300) == 256 and fitted_width(40, 10) == 40
+
+
+def test_a_setting_given_as_none_takes_its_default():
+    got = check({"fastsample": {"dry_multiplier": 1.0, "dry_penalty_last_n": None,
+                                "mirostat_tau": None}}, vocab=50)  # fmt: skip
+    assert got == {"dry_multiplier": 1.0}
+    assert history_width([got], 256) == 256  # dry_penalty_last_n's default: -1

@@ -52,8 +52,9 @@ def requested(extra_args: object) -> dict | None:
 
 
 def check(extra_args: object, vocab: int | None = None) -> dict | None:
-    """The request's settings, checked; raises ``ValueError`` naming the bad argument (an
-    unknown name, a wrong type, a value out of range, a breaker id outside ``[0, vocab)``)."""
+    """The request's settings, checked, without those given as None (their defaults); raises
+    ``ValueError`` naming the bad argument (an unknown name, a wrong type, a value out of
+    range, a breaker id outside ``[0, vocab)``)."""
     if not isinstance(extra_args, dict) or KEY not in extra_args:
         return None
     args = extra_args[KEY]
@@ -75,7 +76,7 @@ def check(extra_args: object, vocab: int | None = None) -> dict | None:
                  None if breakers is None else [breakers])  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
-    return dict(args)
+    return {k: v for k, v in args.items() if v is not None}  # None: the setting's default
 
 
 def checked_or_none(extra_args: object, vocab: int, warn) -> dict | None:
@@ -97,8 +98,6 @@ def batch_settings(rows: Sequence[dict | None], device: torch.device) -> dict:
         if not any(r and name in r for r in rows):
             continue
         values = [(r or {}).get(name, ROW_DEFAULTS.get(name)) for r in rows]
-        if name == "mirostat_tau":
-            values = [0.0 if x is None else x for x in values]
         if all(x == values[0] for x in values):
             out[name] = values[0]
         else:
