@@ -90,13 +90,9 @@ def _with_mirostat(
     device = target_logits.device
     if state is None:
         raise ValueError("mirostat keeps mu in the state: pass state=")
-    if parents is None:
-        parent = (torch.arange(positions, device=device) - 1).expand(batch, positions)
-    elif isinstance(parents, Tensor):
-        parent = parents.long().to(device).expand(batch, positions)
-    else:
-        parent = torch.tensor(list(parents), dtype=torch.int64, device=device).expand(
-            batch, positions)  # fmt: skip
+    if parents is None:  # a chain
+        parents = torch.arange(positions, device=device) - 1
+    parent = parent_table(parents, batch, positions, device)
     depth = (prefixes >= 0).sum(-1)  # (B, P): the draft leading to j is prefixes[j][depth - 1]
     leading = torch.full_like(depth, -1)
     if prefixes.shape[-1]:  # no drafts at all: every position is a root
@@ -109,7 +105,7 @@ def _with_mirostat(
         mu = start
         if j:  # the parent's mu, moved by the draft leading here at the parent's probability
             par = parent[:, j]
-            token = torch.where((depth[:, j] > 0) & (par >= 0) & (par < j), leading[:, j], -1)
+            token = torch.where((depth[:, j] > 0) & (par >= 0), leading[:, j], -1)
             at = token.clamp_min(0)[:, None]
             mu_par, p_par = start, torch.zeros(batch, dtype=probs[0].dtype, device=device)
             for i in range(j):
@@ -134,20 +130,25 @@ def chain_prefixes(draft_token_ids: Tensor) -> Tensor:
     return torch.where(upto, draft_token_ids[:, None, :], -1)
 
 
+def parent_table(parents: Sequence[int] | Tensor, batch: int, n: int,
+                 device: torch.device) -> Tensor:  # fmt: skip
+    """``(B, N)`` int64 parents of ``N`` nodes; a malformed entry (not an earlier node) and
+    the root are -1: they end a walk (the verifier flags such rows anyway)."""
+    if isinstance(parents, Tensor):
+        parent = parents.long().to(device).expand(batch, n)
+    else:
+        parent = torch.tensor(list(parents), dtype=torch.int64, device=device).expand(batch, n)
+    return torch.where((parent >= 0) & (parent < torch.arange(n, device=device)), parent, -1)
+
+
 def tree_prefixes(token_ids: Tensor, parents: Sequence[int] | Tensor) -> Tensor:
     """``(B, N, N - 1)``: node ``n`` holds the tokens on its path from the root (the root's own
     token excluded: it is already in the sequence), oldest first as a chain's prefixes, then
     -1 (the history stages read the order: DRY, no-repeat n-grams, windowed penalties)."""
     batch, n = token_ids.shape
     device = token_ids.device
-    if isinstance(parents, Tensor):
-        parent = parents.long().expand(batch, n)
-    else:
-        parent = torch.tensor(list(parents), dtype=torch.int64, device=device).expand(batch, n)
-    nodes = torch.arange(n, device=device)
-    # Malformed entries (and the root) end the walk: the verifier flags such rows anyway.
-    parent = torch.where((parent >= 0) & (parent < nodes), parent, -1)
-    current = nodes.expand(batch, n)
+    parent = parent_table(parents, batch, n, device)
+    current = torch.arange(n, device=device).expand(batch, n)
     steps = []
     for _ in range(n - 1):  # a path has at most N - 1 nodes below the root
         inside = current > 0
