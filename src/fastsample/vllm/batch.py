@@ -76,11 +76,15 @@ class Rows:
 
     @property
     def known(self) -> bool:
-        return self._batch_ref is not None and self._batch_ref() is not None
+        return self._source() is not None
+
+    def _source(self) -> InputBatch | None:
+        """The input batch the metadata came from, while it lives."""
+        return self._batch_ref() if self._batch_ref is not None else None
 
     def stages(self) -> list[dict | None]:
         """Each row's fastsample stages (None: none asked, or no input batch)."""
-        source = self._batch_ref() if self._batch_ref is not None else None
+        source = self._source()
         if source is None or self.req_ids is None:
             return [None] * self.batch
         table = getattr(source, "fastsample_stages", {})
@@ -89,29 +93,27 @@ class Rows:
     @property
     def context_limit(self) -> int | None:
         """The model's context length (the token table's width), or None without a batch."""
-        source = self._batch_ref() if self._batch_ref is not None else None
+        source = self._source()
         return None if source is None else int(source.token_ids_cpu.shape[1])
 
     def prompt_lengths(self) -> np.ndarray | None:
         """``(B,)`` int64 prompt lengths (None without a batch)."""
-        source = self._batch_ref() if self._batch_ref is not None else None
+        source = self._source()
         return None if source is None else source.num_prompt_tokens[: self.batch].astype(np.int64)
 
     def prompt_ids(self, which: list[int]) -> torch.Tensor | None:
         """``(len(which), longest prompt)`` int64 prompts of rows ``which``, -1 padded, read
         from the batch's token table (None without a batch)."""
-        source = self._batch_ref() if self._batch_ref is not None else None
+        source = self._source()
         if source is None:
             return None
         rows = np.asarray(which, dtype=np.int64)
         prompt = source.num_prompt_tokens[rows].astype(np.int64)
-        width = int(prompt.max(initial=0))
-        ids = source.token_ids_cpu[rows, :width].astype(np.int64)
-        return torch.from_numpy(np.where(np.arange(width) < prompt[:, None], ids, -1))
+        return _spans(source.token_ids_cpu, rows, np.zeros_like(prompt), prompt)
 
     def lengths(self) -> np.ndarray | None:
         """``(B,)`` int64: tokens each request has emitted so far (None without a batch)."""
-        source = self._batch_ref() if self._batch_ref is not None else None
+        source = self._source()
         if source is None:
             return None
         b = self.batch
@@ -120,14 +122,19 @@ class Rows:
     def output_ids(self, lengths: np.ndarray, which: list[int]) -> torch.Tensor | None:
         """``(len(which), max length)`` int64 tokens rows ``which`` emitted, -1 padded, read
         from the batch's token table (``lengths``: every row's)."""
-        source = self._batch_ref() if self._batch_ref is not None else None
+        source = self._source()
         if source is None:
             return None
         rows = np.asarray(which, dtype=np.int64)
-        lengths = lengths[rows]
-        width = int(lengths.max(initial=0))
         prompt = source.num_prompt_tokens[rows].astype(np.int64)
-        table = source.token_ids_cpu
-        columns = np.minimum(prompt[:, None] + np.arange(width), table.shape[1] - 1)
-        ids = np.take_along_axis(table[rows], columns, axis=1).astype(np.int64)
-        return torch.from_numpy(np.where(np.arange(width) < lengths[:, None], ids, -1))
+        return _spans(source.token_ids_cpu, rows, prompt, lengths[rows])
+
+
+def _spans(table: np.ndarray, rows: np.ndarray, start: np.ndarray,
+           length: np.ndarray) -> torch.Tensor:  # fmt: skip
+    """``(len(rows), longest)`` int64: ``length[i]`` tokens of the token table's row
+    ``rows[i]`` from column ``start[i]``, -1 padded."""
+    width = int(length.max(initial=0))
+    columns = np.minimum(start[:, None] + np.arange(width), table.shape[1] - 1)
+    ids = np.take_along_axis(table[rows], columns, axis=1).astype(np.int64)
+    return torch.from_numpy(np.where(np.arange(width) < length[:, None], ids, -1))

@@ -201,8 +201,13 @@ class Plan:
     # allows nothing else (MinTokensLogitsProcessor); the sampler redraws such rows.
     stops_yield_to_grammar: bool = False
     for_verify: bool = False
-    history: int = 0  # context tokens the state keeps for the history stages now
-    history_cap: int = 0  # ... and at most (request_stages.fitted_width)
+    history_cap: int = 0  # context tokens the history stages read at most
+
+    @property
+    def history(self) -> int:
+        """Context tokens the state keeps now (:func:`.request_stages.fitted_width`)."""
+        kept = None if self.stats is None else self.stats.history
+        return 0 if kept is None else kept.shape[1]
 
     def matches(self, metadata, batch: int, vocab: int, verify: bool = False) -> bool:
         return (self.metadata is metadata and (self.batch, self.vocab) == (batch, vocab)
@@ -234,15 +239,12 @@ class Plan:
         """Widen the history when a context outgrew it: every row rebuilt from the runner's
         token table (as wide as the contexts now, :func:`.request_stages.fitted_width`),
         mirostat's ``mu`` kept."""
-        prompts = None if self.rows is None else self.rows.prompt_lengths()
-        if not self.history_cap or self.stats is None or prompts is None:
+        if not self.history_cap or self.stats is None or self.rows is None:
             return
-        width = request_stages.fitted_width(self.history_cap,
-                                            int((prompts + lengths).max(initial=0)))  # fmt: skip
+        width = history_for(self.rows, self.history_cap, lengths)
         if width <= self.history:
             return
         mu = self.stats.mirostat_mu
-        self.history = width
         self.stats = build_stats(self.metadata, self.rows, self.vocab, lengths,
                                  list(range(self.batch)), width)  # fmt: skip
         self.stats.mirostat_mu = mu
@@ -252,6 +254,15 @@ class Plan:
         """Rows emitted ``counts`` tokens this step (the stats were updated with them)."""
         assert self.counted is not None
         self.counted = self.counted + counts
+
+
+def history_for(rows: Rows, cap: int, lengths: np.ndarray) -> int:
+    """The history's width for rows that emitted ``lengths`` tokens: as wide as their
+    contexts (prompt included), at most ``cap`` (``cap`` itself without an input batch)."""
+    prompts = rows.prompt_lengths()
+    if prompts is None:
+        return cap
+    return request_stages.fitted_width(cap, int((prompts + lengths).max(initial=0)))
 
 
 def build_stats(metadata, rows: Rows, vocab: int, lengths: np.ndarray, which: list[int],
@@ -366,13 +377,11 @@ def build_plan(metadata, logits: Tensor, logprobs_mode: str, batch: int | None =
         lengths = np.array([len(x) for x in lists[:batch]] + [0] * (batch - len(lists[:batch])),
                            dtype=np.int64)  # fmt: skip
     cap = request_stages.history_width(stage_rows, rows.context_limit or 0)
-    prompt_lengths = rows.prompt_lengths()
-    history = cap if prompt_lengths is None else request_stages.fitted_width(
-        cap, int((prompt_lengths + lengths).max(initial=0)))  # fmt: skip
+    history = history_for(rows, cap, lengths)
     stats = None
     if (params.penalties_on or history or request_stages.mirostat_on(stage_rows)
             or (verify and params.stop_ids is not None)):  # fmt: skip
         stats = plan_stats(metadata, rows, vocab, lengths, previous, history)
     return Plan(metadata, batch, vocab, device, None, params, stats, params.seed, rows,
                 lengths.copy(), num_logprobs, ids, own_raw, request_keys,
-                min_tokens is not None and min_tokens[2], verify, history, cap)  # fmt: skip
+                min_tokens is not None and min_tokens[2], verify, cap)  # fmt: skip
