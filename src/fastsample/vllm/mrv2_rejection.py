@@ -39,7 +39,7 @@ from ..stages import process_step, staged_logits
 from ..stages.state import mirostat_update
 from ..verify import verify_chain
 from .logprobs import from_full, raw_values
-from .mrv2_sampler import FastsampleSamplerV2, _process_args, _warn_once, history_width
+from .mrv2_sampler import FastsampleSamplerV2, _process_args, _warn_once, prefill_done
 from .rejection import residual_at_cuts
 from .state import CALLS, STATE
 
@@ -159,9 +159,7 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         slots = input_batch.idx_mapping.to(torch.int64)
         first = positions.index_select(0, cu[:-1])  # each request's position (emitted so far)
         if plan.needs_state:  # the history: each request's committed context (drafts: extra)
-            ends = input_batch.positions.index_select(0, input_batch.logits_indices)
-            context = (sampler.req_states.all_token_ids.gpu, ends.index_select(0, cu[:-1]) + 1,
-                       history_width(plan, input_batch)) if plan.history else None  # fmt: skip
+            context = sampler.history_context(plan, input_batch, cu[:-1])
             state = sampler.plans.slot_stats.current(slots, first, context)
             where = dict(state=state, state_rows=rows)
         else:  # min-tokens read each row's length: the request's, plus its drafts (extra)
@@ -192,7 +190,7 @@ class FastsampleRejectionSamplerV2(RejectionSampler):
         if plan.penalties:
             sampler.plans.slot_stats.emitted(slots, tokens)
         if plan.mirostat:  # mu moves by each emitted token at its position (none in a prefill)
-            done = (input_batch.seq_lens >= plan.prefill)[:, None]
+            done = prefill_done(plan, input_batch)[:, None]
             ids = torch.where(done, tokens, -1)
             at = probs[logit_rows].gather(2, ids.clamp_min(0)[..., None])[..., 0]
             tau, eta = (_of_rows(getattr(plan.params, name), cu[:-1])

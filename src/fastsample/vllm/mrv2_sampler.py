@@ -100,7 +100,7 @@ class FastsampleSamplerV2(Sampler):
         discarded), the rest of its logits rows rejected. vLLM's
         ``get_num_sampled_and_rejected`` in torch ops (its Triton kernel would run in Triton's
         interpreter on CPU)."""
-        done = input_batch.seq_lens >= plan.prefill
+        done = prefill_done(plan, input_batch)
         sampled = done.to(torch.int32) if emitted is None else torch.where(done, emitted, 0)
         rejected = torch.where(done, plan.logits_per_request - sampled, 0)
         return sampled.to(torch.int32), rejected.to(torch.int32)
@@ -111,31 +111,38 @@ class FastsampleSamplerV2(Sampler):
         return plan, *rows_and_positions(plan, input_batch)
 
     def stage_state(self, plan: SlotPlan, rows: Tensor, positions: Tensor,
-                    ends: Tensor | None = None, input_batch=None) -> dict:  # fmt: skip
+                    input_batch) -> dict:  # fmt: skip
         """``sample_step``'s state arguments: the slots' state (penalties, history, mirostat's
-        ``mu``; ``ends``: each row's context length, for the history), else the lengths."""
+        ``mu``), else the lengths."""
         if plan.needs_state:
-            context = None
-            if plan.history:
-                width = history_width(plan, input_batch)
-                context = (self.req_states.all_token_ids.gpu, ends, width)
+            context = self.history_context(plan, input_batch)
             state = self.plans.slot_stats.current(rows, positions, context)
             return dict(state=state, state_rows=rows)
         return dict(output_len=positions if plan.params.stop_ids is not None else None)
+
+    def history_context(self, plan: SlotPlan, input_batch, first: Tensor | None = None):
+        """:meth:`.mrv2_plan.SlotStats.current`'s ``context``: vLLM's token table, the
+        context length of each logits row (``first``: of these rows only) and this step's
+        width; None when no history stage is on."""
+        if not plan.history:
+            return None
+        ends = input_batch.positions.index_select(0, input_batch.logits_indices) + 1
+        if first is not None:
+            ends = ends.index_select(0, first)
+        return self.req_states.all_token_ids.gpu, ends, history_width(plan, input_batch)
 
     def _draw(self, logits: Tensor, input_batch, plan: SlotPlan) -> SamplerOutput:
         CALLS["sample"] += 1
         num_nans = get_num_nans(logits) if self.compute_nans else None
         rows, positions = rows_and_positions(plan, input_batch)
-        ends = input_batch.positions.index_select(0, input_batch.logits_indices) + 1
         params = plan.params
-        where = self.stage_state(plan, rows, positions, ends, input_batch)
+        where = self.stage_state(plan, rows, positions, input_batch)
         out = sample_step(logits, params=params, step=positions, **where)
         if plan.stops_yield_to_grammar and not bool(out.valid.all()):
             # Rows whose grammar allowed only their (min-tokens-masked) stop tokens: drawn
             # again with min-tokens off there, as vLLM restores the stop tokens.
             done = torch.where(out.valid, positions, torch.iinfo(torch.int64).max)
-            where = self.stage_state(plan, rows, done, ends, input_batch)
+            where = self.stage_state(plan, rows, done, input_batch)
             if "output_len" in where:
                 where["output_len"] = done
             out = sample_step(logits, params=params, step=positions, **where)
@@ -146,7 +153,7 @@ class FastsampleSamplerV2(Sampler):
         if plan.penalties:
             self.plans.slot_stats.emitted(rows, out.token_ids)
         if plan.mirostat:  # a token vLLM discards (a chunked prefill's) moves nothing
-            kept = (input_batch.seq_lens >= plan.prefill).repeat_interleave(
+            kept = prefill_done(plan, input_batch).repeat_interleave(
                 plan.logits_per_request.to(torch.int64))  # fmt: skip
             self.plans.slot_stats.moved_mu(rows, torch.where(kept[:, None], out.token_ids, -1),
                                            out.probs, params.mirostat_tau,
@@ -173,6 +180,11 @@ def rows_and_positions(plan: SlotPlan, input_batch) -> tuple[Tensor, Tensor]:
     rows = input_batch.expanded_idx_mapping.to(torch.int64)
     pos = input_batch.positions.index_select(0, input_batch.logits_indices)
     return rows, (pos + plan.offset).clamp_min(0)
+
+
+def prefill_done(plan: SlotPlan, input_batch) -> Tensor:
+    """``(B,)`` bool: requests past their (chunked) prefill, whose tokens vLLM keeps."""
+    return input_batch.seq_lens >= plan.prefill
 
 
 def history_width(plan: SlotPlan, input_batch) -> int:
