@@ -151,7 +151,7 @@ BAD = [
 ]
 
 
-def check_bad_settings_are_the_requests_error(llm) -> None:
+def check_bad_settings_are_the_requests_error(llm, path: str) -> None:
     from vllm.exceptions import VLLMValidationError
 
     for settings, named in BAD:
@@ -207,3 +207,15 @@ def check_mirostat_with_drafts(llm, path: str) -> None:
     assert min(along(path, prompt, tokens, 1.0, MIROSTAT)) > 0
     plain = run(llm, [prompt], SamplingParams(**base))[0]
     assert min(along(path, prompt, plain, 1.0, MIROSTAT)) == 0
+
+
+MODEL = "stages"
+"""The checkpoint (``vllm_helpers.checkpoint``) the engines of these checks serve."""
+
+ENGINE_CHECKS = {
+    "dry and xtc act": check_dry_and_xtc_act,
+    "every stage is batch-invariant": check_every_stage_is_batch_invariant,
+    "the history widens with the context": check_the_history_widens_with_the_context,
+    "bad settings are the request's error": check_bad_settings_are_the_requests_error,
+}
+"""The checks each runner's module runs on its own engine (``check(llm, path)``)."""
