@@ -75,6 +75,26 @@ def radix_threshold(
     """Threshold pattern of the row at ``row_ptr`` (``n`` entries, contiguous): see the
     module docstring. ``target`` is a float64 scalar; returns the threshold in the row's
     float dtype."""
+    return radix_threshold_weighed(row_ptr, row_ptr, n, target, BY_MASS, SHARE, False, IS_F64,
+                                   TILE, RADIX_BITS)  # fmt: skip
+
+
+@triton.jit
+def radix_threshold_weighed(
+    row_ptr,
+    mass_ptr,
+    n,
+    target,
+    BY_MASS: tl.constexpr,
+    SHARE: tl.constexpr,
+    OWN_MASS: tl.constexpr,
+    IS_F64: tl.constexpr,
+    TILE: tl.constexpr,
+    RADIX_BITS: tl.constexpr = 4,
+):
+    """:func:`radix_threshold`, with ``OWN_MASS`` each entry's mass read at ``mass_ptr``
+    instead of being its value (typical-p orders tokens by a key but counts their
+    probability: the ``mass=`` of :func:`fastsample.ops.select.descending_threshold`)."""
     BUCKETS: tl.constexpr = 1 << RADIX_BITS
     if IS_F64:
         KEY_BITS: tl.constexpr = 64
@@ -107,7 +127,11 @@ def radix_threshold(
                 take = take & ((key >> (shift + RADIX_BITS)) == prefix)
             hit = (digit[:, None] == digits[None, :]) & take[:, None]
             if BY_MASS:
-                hist += total(tl.where(hit, w.to(tl.float64)[:, None], 0.0), 0)
+                if OWN_MASS:  # noqa: SIM108 (a ternary would compile both loads)
+                    mass = tl.load(mass_ptr + offs, mask=inside, other=0.0).to(tl.float64)
+                else:
+                    mass = w.to(tl.float64)
+                hist += total(tl.where(hit, mass[:, None], 0.0), 0)
             else:
                 hist += total(hit.to(tl.int32), 0).to(tl.float64)
         if SHARE and r == 0:  # round 1 holds every weight: the row's mass

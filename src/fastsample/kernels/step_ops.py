@@ -26,6 +26,7 @@ interpreted), so ``torch.compile(fullgraph=True)`` traces a step.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from ..ops.noise import UniformSource
 from ..ops.validation import Controls
+from . import chain as _chain
 from . import stages as _stages
 from . import stats as _stats
 from . import step_draw as _draw
@@ -86,6 +88,17 @@ class Stages(NamedTuple):
             or self.stop_ids is not None
             or self.seen is not None
         )
+
+
+class Chain(NamedTuple):
+    """The sampler chain of a step as the chain kernel takes it (:func:`.chain.chain_weights`):
+    it then runs in the controls kernel's place."""
+
+    settings: list  # one per name of chain.SETTINGS: a (B,) tensor, a number or None
+    stages: list[int]  # the codes of the stages that are on, in order
+    dynatemp: bool
+    mu: Tensor | None  # mirostat's mu, one per state row
+    rows: Tensor | None  # each row's state row
 
 
 def _stages_launcher(
@@ -164,6 +177,33 @@ def _draw_fake(source, is_logits, mode, num_samples, *rest):
     return _draw.outputs(source, num_samples, num_top, ranks, num_requested)
 
 
+def _chain_launcher(
+    scores: Tensor,
+    tensors: list[Tensor | None],
+    numbers: list[float],
+    stages: list[int],
+    dynatemp: bool,
+    mu: Tensor | None,
+    rows: Tensor | None,
+    seed: Tensor,
+    step: Tensor | None,
+    stream_rows: Tensor | None,
+    stream_value: int,
+    num_top: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # A custom op takes no unions: each setting is its tensor, else its number (NaN: off).
+    settings = [t if t is not None else (None if math.isnan(x) else x)
+                for t, x in zip(tensors, numbers, strict=True)]  # fmt: skip
+    return _chain.chain_weights(  # type: ignore[return-value]
+        scores, settings, stages, dynatemp, mu, rows, seed, step,
+        stream_rows if stream_rows is not None else stream_value, num_top,
+    )  # fmt: skip
+
+
+def _chain_fake(scores, *rest):
+    return _chain.outputs(scores, rest[-1])
+
+
 def _update_launcher(
     counts: Tensor, length: Tensor, seen: Tensor, prompt: Tensor, ids: Tensor
 ) -> None:
@@ -176,6 +216,7 @@ def _update_fake(counts, length, seen, prompt, ids):
 
 stages_op = _register("stages", _stages_launcher, _stages_fake)
 step_draw_op = _register("step_draw", _draw_launcher, _draw_fake)
+chain_op = _register("chain", _chain_launcher, _chain_fake)
 
 _UPDATE = "fastsample::stats_update"
 _MUTATED = ("counts", "length", "seen")
@@ -218,6 +259,7 @@ def sample_step(
     ranks: bool,
     requested: Tensor | None,
     rows_ok: Tensor | None,
+    chain: Chain | None = None,
 ) -> tuple[Tensor | None, ...]:
     """A whole step: ``(token_ids, probs, valid, logprobs, top_token_ids, top_logprobs, ranks,
     requested_logprobs)``, the fields of a ``SampleOutput`` (None where not asked), with
@@ -244,7 +286,18 @@ def sample_step(
     )
     processed_top = 0 if raw else num_top
     got = top_ids = top = None
-    if controls.all_greedy and processed_top == 0 and not tensor_controls:
+    counted = None
+    if chain is not None:  # the chain kernel in the controls kernel's place
+        counted = counters(rng, batch, source.device)
+        tensors = [c if isinstance(c, Tensor) else None for c in chain.settings]
+        numbers = [math.nan if c is None or isinstance(c, Tensor) else float(c)
+                   for c in chain.settings]  # fmt: skip
+        scores, weights, sums, total, clean, top_ids, top = chain_op(
+            scores, tensors, numbers, chain.stages, chain.dynatemp, chain.mu, chain.rows,
+            *counted, processed_top,
+        )  # fmt: skip
+        got, mode, t = (weights, sums, total, clean), _draw.DRAW, None
+    elif controls.all_greedy and processed_top == 0 and not tensor_controls:
         mode = _draw.SCAN  # nothing to weigh: the draw launch judges the rows itself
     else:
         logits, probs = (scores, None) if is_logits else (None, scores)
@@ -258,7 +311,9 @@ def sample_step(
             mode = _draw.SOME
         else:
             mode = _draw.DRAW
-    if mode in (_draw.DRAW, _draw.SOME):
+    if counted is not None:
+        seed, step, stream_rows, stream_value = counted
+    elif mode in (_draw.DRAW, _draw.SOME):
         seed, step, stream_rows, stream_value = counters(rng, batch, source.device)
     else:
         seed, step, stream_rows, stream_value = None, None, stream, 0

@@ -73,10 +73,11 @@ def applies(source: Tensor, params: StepParams, words: Tensor | None) -> bool:
     the controls or a logprob option of the step on."""
     if not kernel_backend.use_triton(source.device.type):
         return False
-    if params.chain_on or params.samplers.history_on:
-        return False  # the sampler chain's stages have no kernels yet: the torch ops run
+    if params.samplers.history_on:
+        return False  # DRY, no-repeat n-grams and windowed penalties have no kernel yet
     return (
-        words is not None
+        params.chain_on
+        or words is not None
         or params.allowed_mask is not None
         or params.edits_logits
         or params.logprobs_mode == "raw"
@@ -125,5 +126,32 @@ def sample_step(
         source, is_logits, args, params.controls, params.num_samples, rng,
         params.top_logprobs, params.logprobs_mode == "raw", params.token_ranks,
         params.logprob_token_ids, _unit(params.rows_ok),
+        chain_args(params, state, rows) if params.chain_on else None,
     )  # fmt: skip
     return SampleOutput(*fields)
+
+
+def chain_args(params: StepParams, state: TokenStats | None, rows: Tensor | None):
+    """The :class:`fastsample.kernels.step_ops.Chain` of a step whose chain is on: the stages
+    that are on in the order's sequence, and every setting the kernel reads."""
+    from ..kernels import chain as kernel_chain
+    from ..kernels.step_ops import Chain
+
+    s, c = params.samplers, params.controls
+    stages = []
+    for entry in s.order:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        on = [name for name in names if s.stage_on(name, c)]
+        if len(on) == 2:  # the joint order's top-k and top-p, both on
+            stages.append(kernel_chain.JOINT)
+        elif on:
+            stages.append(kernel_chain.CODES[on[0]])
+    values = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
+              "min_p": c.min_p}  # fmt: skip
+    settings = [_unit(values[name] if name in values else getattr(s, name))
+                for name in kernel_chain.SETTINGS]  # fmt: skip
+    mu = None
+    if s.on("mirostat"):
+        assert state is not None
+        mu = state.mirostat_mu
+    return Chain(settings, stages, s.dynatemp_on, mu, _unit(rows))
