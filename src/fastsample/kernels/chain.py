@@ -79,10 +79,14 @@ SETTINGS = (
 )  # fmt: skip
 """The settings the kernel reads, in its argument order (each a Python number or ``(B,)``)."""
 OFF, NUMBER, TENSOR = 0, 1, 2
-_NUMBER, _TENSOR = tl.constexpr(NUMBER), tl.constexpr(TENSOR)
-_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P = (tl.constexpr(c) for c in (TEMPERATURE, TOP_K, TOP_P, MIN_P))
-_JOINT, _TOP_N_SIGMA, _TYPICAL = tl.constexpr(JOINT), tl.constexpr(TOP_N_SIGMA), tl.constexpr(TYPICAL)
-_EPSILON, _ETA, _XTC, _MIROSTAT = (tl.constexpr(c) for c in (EPSILON, ETA, XTC, MIROSTAT))
+# The same numbers as the kernel sees them (a @triton.jit function reads only constexprs).
+_TENSOR = tl.constexpr(TENSOR)
+_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _JOINT = (
+    tl.constexpr(c) for c in (TEMPERATURE, TOP_K, TOP_P, MIN_P, JOINT)
+)
+_TOP_N_SIGMA, _TYPICAL, _EPSILON, _ETA, _XTC, _MIROSTAT = (
+    tl.constexpr(c) for c in (TOP_N_SIGMA, TYPICAL, EPSILON, ETA, XTC, MIROSTAT)
+)
 _STAGE_PURPOSE = tl.constexpr(2)  # fastsample.ops.seeds.Purpose.STAGE
 
 
@@ -242,8 +246,8 @@ def _chain_kernel(
     tl.debug_barrier()
 
     for slot in tl.static_range(10):
-        CODE: tl.constexpr = (ORDER >> (4 * slot)) & 15
-        if CODE == _TEMPERATURE:
+        code = (ORDER >> (4 * slot)) & 15  # a constexpr: the tests below are resolved statically
+        if code == _TEMPERATURE:
             t_used = t
             if DYNATEMP:
                 peak, s = _survivors(x_row, w_row, n, FLOAT, TILE, PRECISE)
@@ -278,23 +282,23 @@ def _chain_kernel(
                 x = tl.where(greedy, single, _div(x, divisor, IS_F64))
                 tl.store(x_row + offs, x, mask=inside)
             tl.debug_barrier()
-        if (CODE == _TOP_K) | (CODE == _TOP_P) | (CODE == _JOINT):
+        if (code == _TOP_K) | (code == _TOP_P) | (code == _JOINT):
             peak, s = _survivors(x_row, w_row, n, FLOAT, TILE, PRECISE)
             cut = tl.full((), 0, FLOAT)
-            if CODE != _TOP_P:
+            if code != _TOP_P:  # noqa: SIM102 (a constexpr test, then a runtime one)
                 if (k > 0) & (k < n):
                     target = tl.minimum(tl.maximum(k, 1.0), n.to(tl.float64))
                     cut = radix_threshold(w_row, n, target, False, False, IS_F64, TILE)
-            if CODE != _TOP_K:
+            if code != _TOP_K:
                 share = tl.minimum(tl.maximum(p, 1e-300), 1.0)
                 if p < 1:
                     cut = tl.maximum(cut, radix_threshold(w_row, n, share, True, True, IS_F64,
                                                           TILE))  # fmt: skip
             _keep_weights(x_row, w_row, n, cut, TILE)
-        if CODE == _MIN_P:
+        if code == _MIN_P:
             peak, s = _survivors(x_row, w_row, n, FLOAT, TILE, PRECISE)
             _keep_weights(x_row, w_row, n, _at_least(min_p, IS_F64), TILE)
-        if CODE == _TOP_N_SIGMA:
+        if code == _TOP_N_SIGMA:
             n_sigma = _setting(sigma_ptr, sigma_bits, row, SIGMA_MODE)
             peak = _peak(x_row, n, FLOAT, TILE)
             alive = tl.full((), 0, tl.int64)
@@ -319,7 +323,7 @@ def _chain_kernel(
                 x = tl.load(x_row + offs, mask=inside, other=float("-inf"))
                 tl.store(x_row + offs, tl.where(x >= threshold, x, float("-inf")), mask=inside)
             tl.debug_barrier()
-        if CODE == _TYPICAL:
+        if code == _TYPICAL:
             mass_p = _setting(typical_ptr, typical_bits, row, TYPICAL_MODE)
             peak, s = _survivors(x_row, w_row, n, FLOAT, TILE, PRECISE)
             h, count = _entropy(x_row, w_row, n, peak, s, TILE, PRECISE)
@@ -353,16 +357,16 @@ def _chain_kernel(
                 keep = ((key >= cut) & (w > 0)).to(tl.int32) + (mass_p >= 1).to(tl.int32) > 0
                 tl.store(x_row + offs, tl.where(keep, x, float("-inf")), mask=inside)
             tl.debug_barrier()
-        if (CODE == _EPSILON) | (CODE == _ETA):
+        if (code == _EPSILON) | (code == _ETA):
             peak, s = _survivors(x_row, w_row, n, FLOAT, TILE, PRECISE)
-            if CODE == _EPSILON:
+            if code == _EPSILON:
                 bound = _setting(eps_ptr, eps_bits, row, EPS_MODE)
             else:
                 eta = _setting(eta_ptr, eta_bits, row, ETA_MODE)
                 h, count = _entropy(x_row, w_row, n, peak, s, TILE, PRECISE)
                 bound = tl.minimum(eta, tl.sqrt(eta) * _exp(-h, PRECISE))
             _keep_weights(x_row, w_row, n, _at_least(tl.minimum(bound * s, 1.0), IS_F64), TILE)
-        if CODE == _XTC:
+        if code == _XTC:
             chance = _setting(xp_ptr, xp_bits, row, XP_MODE)
             level = _setting(xt_ptr, xt_bits, row, XT_MODE)
             seed = tl.load(seed_ptr + row * seed_stride)
@@ -395,7 +399,7 @@ def _chain_kernel(
                 x = tl.where(removed, tl.where(fires, float("-inf"), x), x)
                 tl.store(x_row + offs, x, mask=inside)
             tl.debug_barrier()
-        if CODE == _MIROSTAT:
+        if code == _MIROSTAT:
             tau = _setting(tau_ptr, tau_bits, row, TAU_MODE)
             state_row = row
             if HAS_ROWS:
@@ -489,8 +493,8 @@ def chain_weights(
         args += [value if is_tensor else dummy, 0 if is_tensor or value is None
                  else _bits(float(value))]  # fmt: skip
         modes[name] = TENSOR if is_tensor else (OFF if value is None else NUMBER)
-    mode_names = ("T_MODE", "K_MODE", "P_MODE", "M_MODE", "SIGMA_MODE", "TYPICAL_MODE",
-                  "EPS_MODE", "ETA_MODE", "XP_MODE", "XT_MODE", "DR_MODE", "DE_MODE", "TAU_MODE")  # fmt: skip
+    mode_names = ("T_MODE", "K_MODE", "P_MODE", "M_MODE", "SIGMA_MODE", "TYPICAL_MODE", "EPS_MODE",
+                  "ETA_MODE", "XP_MODE", "XT_MODE", "DR_MODE", "DE_MODE", "TAU_MODE")  # fmt: skip
     stream_rows = isinstance(stream, Tensor)
     launch.count_launch()
     launch.launcher(_chain_kernel, INTERPRETED)[(batch,)](

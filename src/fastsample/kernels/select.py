@@ -127,7 +127,7 @@ def radix_threshold_weighed(
                 take = take & ((key >> (shift + RADIX_BITS)) == prefix)
             hit = (digit[:, None] == digits[None, :]) & take[:, None]
             if BY_MASS:
-                if OWN_MASS:  # noqa: SIM108 (a ternary would compile both loads)
+                if OWN_MASS:
                     mass = tl.load(mass_ptr + offs, mask=inside, other=0.0).to(tl.float64)
                 else:
                     mass = w.to(tl.float64)
