@@ -7,8 +7,9 @@ Entry points (arguments already checked by the step, the same checks as the torc
   (:mod:`.stages`, one launch): what ``staged_logits`` and ``process_step`` read;
 * :func:`sample_step` -> ``SampleOutput`` fields: a whole step in at most three launches:
   the stages kernel (when a stage or the raw logprobs are on), the controls kernel
-  (:mod:`.controls`, unless every row is greedy with nothing to weigh) and the draw kernel
-  (:mod:`.step_draw`: the draw, the logprobs of either mode, ranks and requested ids);
+  (:mod:`.controls`, unless every row is greedy with nothing to weigh) or, when the sampler
+  chain is on (:class:`Chain`), the chain kernel (:mod:`.chain`) in its place, and the draw
+  kernel (:mod:`.step_draw`: the draw, the logprobs of either mode, ranks and requested ids);
 * :func:`update` ``(counts, length, seen, prompt, ids)``: ``TokenStats.update`` in one
   launch (:mod:`.stats`).
 
@@ -18,7 +19,7 @@ count as one: their normalizer is taken in the stages kernel); unseeded steps ad
 as :func:`.controls_ops.sample`. Nothing else runs on the device: per-row settings given as
 Python numbers travel by value, absent tensors as a dummy pointer.
 
-Operators: ``fastsample::stages``, ``fastsample::step_draw`` and
+Operators: ``fastsample::stages``, ``fastsample::chain``, ``fastsample::step_draw`` and
 ``fastsample::stats_update`` (which mutates the statistics in place) are ``torch.library``
 operators (``triton_op`` when compiled, ``custom_op`` with a fake implementation when
 interpreted), so ``torch.compile(fullgraph=True)`` traces a step.

@@ -4,8 +4,10 @@
 (:func:`fastsample.kernels.backend.use_triton`), sends a step here: stages a-c become one
 launch of the stages kernel, and a step with any stage or logprob option on is the stages,
 controls and draw launches of :mod:`fastsample.kernels.step_ops` (the same arguments, the same
-results: tests/kernels/test_triton_stages.py). A step with none of them keeps the controls
-kernels' path of :mod:`.draw`.
+results: tests/kernels/test_triton_stages.py); with the sampler chain on, the chain kernel
+takes the controls kernel's place (:func:`chain_args`; tests/kernels/test_triton_chain.py). A
+step with none of them keeps the controls kernels' path of :mod:`.draw`; one with a history
+stage (DRY, no-repeat n-grams, windowed penalties: no kernel yet) the torch ops.
 """
 
 from __future__ import annotations
