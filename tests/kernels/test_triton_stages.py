@@ -464,18 +464,27 @@ _COMPILE = textwrap.dedent("""
         rows_ptr="*i64", seen_ptr="*i32", extra_ptr="*i64", freq_ptr="*fp32", pres_ptr="*fp32",
         rep_bits=I64, freq_bits=I64, pres_bits=I64, min_value=I64, len_value=I64,
         log_total_ptr="*fp64", top_ids_ptr="*i64", top_logp_ptr="*fp64", words_out_ptr="*i32",
+        hist_ptr="*i64", hist_stride=I64, scratch_ptr="*i64", last_n_ptr="*i64",
+        last_n_bits=I64, mult_ptr="*fp32", mult_bits=I64, base_ptr="*fp32", base_bits=I64,
+        allowed_ptr_h="*i64", allowed_bits=I64, window_ptr="*i64", window_bits=I64,
+        ngram_ptr="*i64", ngram_bits=I64, table_ptr="*i64", singles_ptr="*i64",
     )
     every = dict(GRAMMAR=2, ALLOWED=True, WRITE=True, BIAS=True, STOPS=True, MIN_MODE=2,
                  LEN_MODE=2, ROWS_MAP=True, MASKED=True, FUSED=False, SECOND=True, REP=2, FREQ=1,
-                 PRES=2, E_PAD=4, RAW=True, NUM_TOP=5, WORDS_OUT=True, TILE=512, PRECISE=True)
+                 PRES=2, E_PAD=4, RAW=True, NUM_TOP=5, WORDS_OUT=True, TILE=512, PRECISE=True,
+                 HISTORY=True, LAST_N_MODE=2, DRY_MODE=2, BASE_MODE=1, ALLOWED_MODE=2,
+                 WINDOW_MODE=1, NGRAM_MODE=2, W_PAD=64)
     build(ks._stages_kernel, dict(stage_pointers, src_ptr="*bf16", out_ptr="*fp32",
           counts_ptr="*i16", rep_ptr="*fp32"), dict(every, IS_LOGITS=True, IS_F64=False))
     fused = dict(every, GRAMMAR=1, ALLOWED=False, BIAS=False, STOPS=False, ROWS_MAP=False,
                  FUSED=True, SECOND=False, REP=1, FREQ=2, PRES=1, E_PAD=0, RAW=False, NUM_TOP=0,
-                 WORDS_OUT=False)
+                 WORDS_OUT=False, LAST_N_MODE=1, DRY_MODE=1, BASE_MODE=2, ALLOWED_MODE=1,
+                 WINDOW_MODE=2, NGRAM_MODE=1, W_PAD=4096)
     build(ks._stages_kernel, dict(stage_pointers, src_ptr="*fp64", out_ptr="*fp64",
           counts_ptr="*u8", rep_ptr="*fp64"), dict(fused, IS_LOGITS=True, IS_F64=True))
-    probs = dict(fused, GRAMMAR=0, FUSED=False, REP=0, FREQ=0, PRES=0, RAW=True, NUM_TOP=3)
+    probs = dict(fused, GRAMMAR=0, FUSED=False, REP=0, FREQ=0, PRES=0, RAW=True, NUM_TOP=3,
+                 HISTORY=False, LAST_N_MODE=0, DRY_MODE=0, BASE_MODE=0, ALLOWED_MODE=0,
+                 WINDOW_MODE=0, NGRAM_MODE=0, W_PAD=16)
     build(ks._stages_kernel, dict(stage_pointers, src_ptr="*fp16", out_ptr="*fp32",
           counts_ptr="*u8", rep_ptr="*fp32"), dict(probs, IS_LOGITS=False, IS_F64=False))
     unwritten = dict(probs, GRAMMAR=1, WRITE=False, NUM_TOP=5)  # raw top-N read from the input
@@ -540,8 +549,8 @@ _COMPILE = textwrap.dedent("""
 
 @pytest.mark.sm90_compile
 def test_kernels_compile_for_a_gpu():
-    """The GPU path without a GPU: Triton's compiler (sm_90, down to a cubin) takes the stages,
-    step draw and update kernels (fusion on: the penalties' products are ``mul.rn``, which is
+    """The GPU path without a GPU: Triton's compiler (sm_90, down to a cubin) takes the stages
+    (the history stages too: a 64- and a 4096-entry context), step draw and update kernels (fusion on: the penalties' products are ``mul.rn``, which is
     never contracted), and their ``triton_op`` registrations trace under fake tensors."""
     out = run_compiled(_COMPILE)
     assert out.count("compiled") == 9 and "traced" in out

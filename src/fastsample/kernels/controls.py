@@ -97,6 +97,27 @@ def _div(a, b, IS_F64: tl.constexpr):
 
 
 @triton.jit
+def _mul(a, b, IS_F64: tl.constexpr, PRECISE: tl.constexpr):
+    """Correctly rounded product, never fused with a following add into an FMA (PTX
+    ``mul.rn``: an explicit rounding mode is not contracted) and without flushing subnormals
+    (libdevice's ``mul_rn`` flushes them here)."""
+    if PRECISE:
+        if IS_F64:
+            y = tl.inline_asm_elementwise(
+                "mul.rn.f64 $0, $1, $2;", "=d,d,d", [a, b], dtype=tl.float64, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+        else:
+            y = tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+    else:
+        y = a * b
+    return y
+
+
+@triton.jit
 def _as_float64(bits):
     """A Python float passed by its IEEE bits (an int of any width) as a float64 scalar."""
     return bits.to(tl.int64).to(tl.float64, bitcast=True)

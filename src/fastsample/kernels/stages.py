@@ -54,7 +54,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import launch
-from .controls import _as_float64, _div, _exp, _log, libdevice, next_largest
+from .controls import _as_float64, _div, _exp, _log, _mul, libdevice, next_largest
+from .history import History, history_edits
 from .philox import INTERPRETED
 from .select import largest as max_of
 from .select import tile_for
@@ -67,27 +68,6 @@ _NO_GRAMMAR, _LISTED = tl.constexpr(NO_GRAMMAR), tl.constexpr(GRAMMAR_LISTED)
 ENTRY_TILE = tl.constexpr(64)  # bias / stop entries per round of stage b: a (64, 64) compare
 INDEX_TILE = tl.constexpr(128)  # bitmask_indices read per step
 WORD_TILE = tl.constexpr(128)  # allowed words written per step
-
-
-@triton.jit
-def _mul(a, b, IS_F64: tl.constexpr, PRECISE: tl.constexpr):
-    """Correctly rounded product, never fused with a following add into an FMA (PTX
-    ``mul.rn``: an explicit rounding mode is not contracted) and without flushing subnormals
-    (libdevice's ``mul_rn`` flushes them here)."""
-    if PRECISE:
-        if IS_F64:
-            y = tl.inline_asm_elementwise(
-                "mul.rn.f64 $0, $1, $2;", "=d,d,d", [a, b], dtype=tl.float64, is_pure=True,
-                pack=1,
-            )  # fmt: skip
-        else:
-            y = tl.inline_asm_elementwise(
-                "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                pack=1,
-            )  # fmt: skip
-    else:
-        y = a * b
-    return y
 
 
 @triton.jit
@@ -181,12 +161,18 @@ def _stages_kernel(
     extra_ptr, extra_stride, num_extra,
     rep_ptr, rep_bits, freq_ptr, freq_bits, pres_ptr, pres_bits,
     log_total_ptr, top_ids_ptr, top_logp_ptr, words_out_ptr, num_words,
+    hist_ptr, hist_stride, hist_width, scratch_ptr, last_n_ptr, last_n_bits, mult_ptr,
+    mult_bits, base_ptr, base_bits, allowed_ptr_h, allowed_bits, window_ptr, window_bits,
+    ngram_ptr, ngram_bits, table_ptr, num_breakers, breaker_len, singles_ptr, num_singles,
     IS_LOGITS: tl.constexpr, IS_F64: tl.constexpr, GRAMMAR: tl.constexpr,
     ALLOWED: tl.constexpr, WRITE: tl.constexpr, BIAS: tl.constexpr, STOPS: tl.constexpr,
     MIN_MODE: tl.constexpr, LEN_MODE: tl.constexpr, ROWS_MAP: tl.constexpr, MASKED: tl.constexpr,
     FUSED: tl.constexpr, SECOND: tl.constexpr, REP: tl.constexpr, FREQ: tl.constexpr,
     PRES: tl.constexpr, E_PAD: tl.constexpr, RAW: tl.constexpr, NUM_TOP: tl.constexpr,
-    WORDS_OUT: tl.constexpr, TILE: tl.constexpr, PRECISE: tl.constexpr,
+    WORDS_OUT: tl.constexpr, HISTORY: tl.constexpr, LAST_N_MODE: tl.constexpr,
+    DRY_MODE: tl.constexpr, BASE_MODE: tl.constexpr, ALLOWED_MODE: tl.constexpr,
+    WINDOW_MODE: tl.constexpr, NGRAM_MODE: tl.constexpr, W_PAD: tl.constexpr,
+    TILE: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32
     FILL: tl.constexpr = float("-inf") if IS_LOGITS else 0.0
@@ -241,6 +227,11 @@ def _stages_kernel(
         pres = tl.load(pres_ptr + row).to(FLOAT)
     else:
         pres = _as_float64(pres_bits).to(FLOAT)
+    # A (B,) penalty_last_n: rows with a window take the penalties there (history_edits);
+    # the others count the output here.
+    counted_here = tl.full((), 1, tl.int1)
+    if LAST_N_MODE == _TENSOR:
+        counted_here = tl.load(last_n_ptr + row) == 0
 
     # Pass 1: stage a (and the penalties when nothing comes between), the raw maximum.
     peak = tl.full((), float("-inf"), FLOAT)
@@ -260,8 +251,9 @@ def _stages_kernel(
             else:
                 plain += sum_of(tl.where(inside, x, 0.0).to(tl.float64), 0)
         if FUSED:
-            x = _penalize(x, cols, inside, seen_row, counts_row, extra, extra_in, rep, freq,
-                          pres, REP, FREQ, PRES, E_PAD > 0, IS_F64, PRECISE)  # fmt: skip
+            x = tl.where(counted_here, _penalize(x, cols, inside, seen_row, counts_row, extra,
+                                          extra_in, rep, freq, pres, REP, FREQ, PRES,
+                                          E_PAD > 0, IS_F64, PRECISE), x)  # fmt: skip
         if WRITE:
             tl.store(out + cols, x, mask=inside)
 
@@ -315,9 +307,23 @@ def _stages_kernel(
             cols = start + lanes
             inside = cols < n
             x = tl.load(out + cols, mask=inside, other=0.0)
-            x = _penalize(x, cols, inside, seen_row, counts_row, extra, extra_in, rep, freq,
-                          pres, REP, FREQ, PRES, E_PAD > 0, IS_F64, PRECISE)  # fmt: skip
+            x = tl.where(counted_here, _penalize(x, cols, inside, seen_row, counts_row, extra,
+                                          extra_in, rep, freq, pres, REP, FREQ, PRES,
+                                          E_PAD > 0, IS_F64, PRECISE), x)  # fmt: skip
             tl.store(out + cols, x, mask=inside)
+
+    # Stage c, continued: windowed penalties, DRY and no-repeat n-grams on the written row.
+    if HISTORY:
+        tl.debug_barrier()
+        history_edits(
+            out, n, row, hist_ptr + stat * hist_stride, hist_width,
+            extra_ptr + row * extra_stride, num_extra, drafted, scratch_ptr + row * 2 * W_PAD,
+            last_n_ptr, last_n_bits, rep, freq, pres, mult_ptr, mult_bits, base_ptr, base_bits,
+            allowed_ptr_h, allowed_bits, window_ptr, window_bits, ngram_ptr, ngram_bits,
+            table_ptr + row * num_breakers * breaker_len, num_breakers, breaker_len,
+            singles_ptr + row * num_singles, num_singles, LAST_N_MODE, REP, FREQ, PRES,
+            DRY_MODE, BASE_MODE, ALLOWED_MODE, WINDOW_MODE, NGRAM_MODE, W_PAD, IS_F64, PRECISE,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -416,9 +422,12 @@ def stages(
     raw: bool,
     num_top: int,
     words_out: bool,
+    history: History | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One launch: ``(buffer, log_total, top_ids, top_logprobs, words)`` (see the module
-    docstring; :func:`outputs` for the shapes).
+    docstring; :func:`outputs` for the shapes). ``history``: the history stages
+    (:class:`.history.History`, the context at most :data:`.history.MAX_CONTEXT` entries
+    with the drafts), applied last.
 
     Arguments already checked by the step: ``grammar`` ``(B', W')`` int32 with unit column
     stride (rows picked by ``indices``, int64, when given), ``allowed`` ``(B, W)``; stop ids
@@ -447,6 +456,22 @@ def stages(
     def stride(value: Tensor | None) -> int:
         return value.stride(0) if value is not None else 0
 
+    h = history
+    hist_width = h.history.shape[1] if h is not None else 0
+    w_pad = max(16, triton.next_power_of_2(hist_width + num_extra)) if h is not None else 16
+    scratch = (source.new_empty((batch, 2 * w_pad), dtype=torch.int64) if h is not None
+               else dummy)  # fmt: skip
+    breakers = h.breakers if h is not None and h.breakers is not None else None
+    singles = h.singles if h is not None and h.singles is not None else None
+
+    def setting(tensor: Tensor | None, value: float | None) -> tuple[Tensor, int]:
+        return ptr(tensor), _bits(value if tensor is None and value is not None else 0.0)
+
+    def mode(tensor: Tensor | None, value: float | None) -> int:
+        return OFF if h is None else _mode(tensor, value)
+
+    none = History(dummy) if h is None else h
+    hist = _rows_of(h.history) if h is not None else dummy
     launch.count_launch()
     launch.launcher(_stages_kernel, INTERPRETED)[(batch,)](
         source, source.stride(0), vocab, buffer if write else dummy,
@@ -464,6 +489,16 @@ def stages(
         log_total if raw else dummy, top_ids if raw and num_top else dummy,
         top_logp if raw and num_top else dummy, words if words_out else dummy,
         words.shape[1] if words_out else 0,
+        hist, hist.stride(0), hist_width, scratch,
+        *setting(none.last_n, none.last_n_value),
+        *setting(none.dry_multiplier, none.dry_multiplier_value),
+        *setting(none.dry_base, none.dry_base_value),
+        *setting(none.dry_allowed, none.dry_allowed_value),
+        *setting(none.dry_window, none.dry_window_value),
+        *setting(none.ngram, none.ngram_value),
+        ptr(breakers), breakers.shape[1] if breakers is not None else 0,
+        breakers.shape[2] if breakers is not None else 0,
+        ptr(singles), singles.shape[1] if singles is not None else 0,
         IS_LOGITS=is_logits, IS_F64=source.dtype == torch.float64,
         GRAMMAR=NO_GRAMMAR if grammar is None else (
             GRAMMAR_ROWS if indices is None else GRAMMAR_LISTED),
@@ -474,7 +509,13 @@ def stages(
         FUSED=penalties and not sparse and not raw, SECOND=penalties and (sparse or raw),
         REP=_mode(rep, rep_value), FREQ=_mode(freq, freq_value), PRES=_mode(pres, pres_value),
         E_PAD=triton.next_power_of_2(num_extra) if num_extra else 0,
-        RAW=raw, NUM_TOP=num_top if raw else 0, WORDS_OUT=words_out,
+        RAW=raw, NUM_TOP=num_top if raw else 0, WORDS_OUT=words_out, HISTORY=h is not None,
+        LAST_N_MODE=mode(none.last_n, none.last_n_value),
+        DRY_MODE=mode(none.dry_multiplier, none.dry_multiplier_value),
+        BASE_MODE=mode(none.dry_base, none.dry_base_value),
+        ALLOWED_MODE=mode(none.dry_allowed, none.dry_allowed_value),
+        WINDOW_MODE=mode(none.dry_window, none.dry_window_value),
+        NGRAM_MODE=mode(none.ngram, none.ngram_value), W_PAD=w_pad,
         TILE=tile_for(vocab, INTERPRETED), PRECISE=not INTERPRETED and libdevice is not None,
     )  # fmt: skip
     return buffer, log_total, top_ids, top_logp, words

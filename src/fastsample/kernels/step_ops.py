@@ -46,6 +46,7 @@ from .controls_ops import (
     _unit_stride_controls,
     processed,
 )
+from .history import History
 from .ops import counters
 from .philox import INTERPRETED
 
@@ -75,6 +76,22 @@ class Stages(NamedTuple):
     freq_value: float | None = None
     pres: Tensor | None = None
     pres_value: float | None = None
+    # The history stages (.history.History's fields; history None: off).
+    history: Tensor | None = None
+    last_n: Tensor | None = None
+    last_n_value: float | None = None
+    dry_multiplier: Tensor | None = None
+    dry_multiplier_value: float | None = None
+    dry_base: Tensor | None = None
+    dry_base_value: float | None = None
+    dry_allowed: Tensor | None = None
+    dry_allowed_value: float | None = None
+    dry_window: Tensor | None = None
+    dry_window_value: float | None = None
+    ngram: Tensor | None = None
+    ngram_value: float | None = None
+    breakers: Tensor | None = None
+    singles: Tensor | None = None
 
     @property
     def masked(self) -> bool:
@@ -88,6 +105,7 @@ class Stages(NamedTuple):
             or self.bias_ids is not None
             or self.stop_ids is not None
             or self.seen is not None
+            or self.history is not None
         )
 
 
@@ -129,16 +147,42 @@ def _stages_launcher(
     raw: bool,
     num_top: int,
     words_out: bool,
+    history: Tensor | None = None,
+    last_n: Tensor | None = None,
+    last_n_value: float | None = None,
+    dry_multiplier: Tensor | None = None,
+    dry_multiplier_value: float | None = None,
+    dry_base: Tensor | None = None,
+    dry_base_value: float | None = None,
+    dry_allowed: Tensor | None = None,
+    dry_allowed_value: float | None = None,
+    dry_window: Tensor | None = None,
+    dry_window_value: float | None = None,
+    ngram: Tensor | None = None,
+    ngram_value: float | None = None,
+    breakers: Tensor | None = None,
+    singles: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    past = None
+    if history is not None:
+        past = History(
+            history, last_n, last_n_value, dry_multiplier, dry_multiplier_value, dry_base,
+            dry_base_value, dry_allowed, dry_allowed_value, dry_window, dry_window_value, ngram,
+            ngram_value, breakers, singles,
+        )  # fmt: skip
     return _stages.stages(
         source, is_logits, grammar, indices, allowed, bias_ids, bias_values, stop_ids,
         min_tokens, min_tokens_value, length, length_value, rows, seen, counts, extra,
         rep, rep_value, freq, freq_value, pres, pres_value, write, raw, num_top, words_out,
+        past,
     )  # fmt: skip
 
 
+_BEFORE_HISTORY = 20  # Stages' fields up to pres_value: then write, raw, num_top, words_out
+
+
 def _stages_fake(source, is_logits, *rest):
-    write, raw, num_top, words_out = rest[-4:]
+    write, raw, num_top, words_out = rest[_BEFORE_HISTORY : _BEFORE_HISTORY + 4]
     return _stages.outputs(source, write, raw, num_top, words_out)
 
 
@@ -239,7 +283,10 @@ def update(counts: Tensor, length: Tensor, seen: Tensor, prompt: Tensor, ids: Te
 def _run_stages(
     source: Tensor, is_logits: bool, stages: Stages, raw: bool, num_top: int, words_out: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return stages_op(source, is_logits, *stages, stages.on, raw, num_top, words_out)
+    return stages_op(
+        source, is_logits, *stages[:_BEFORE_HISTORY], stages.on, raw, num_top, words_out,
+        *stages[_BEFORE_HISTORY:],
+    )  # fmt: skip
 
 
 def staged(source: Tensor, is_logits: bool, stages: Stages) -> Tensor:

@@ -58,25 +58,54 @@ def stage_args(
             stop_ids=params.stop_ids, min_tokens=least, min_tokens_value=least_value or 0,
             length=length, length_value=length_value or 0,
         )  # fmt: skip
+    s = params.samplers
+    last_n = s.penalty_last_n if params.penalties_on else None  # type: ignore[attr-defined]
     if params.penalties_on:
         assert state is not None
         rep, rep_value = _split(params.repetition_penalty)
         freq, freq_value = _split(params.frequency_penalty)
         pres, pres_value = _split(params.presence_penalty)
         args = args._replace(
-            seen=state.seen_mask, counts=state.output_counts, rep=rep, rep_value=rep_value,
-            freq=freq, freq_value=freq_value, pres=pres, pres_value=pres_value,
+            rep=rep, rep_value=rep_value, freq=freq, freq_value=freq_value, pres=pres,
+            pres_value=pres_value,
         )  # fmt: skip
+        if last_n is None or isinstance(last_n, Tensor):  # the output counts' penalties
+            args = args._replace(seen=state.seen_mask, counts=state.output_counts)
+    if s.history_on:
+        assert state is not None and state.history is not None
+        window, window_value = _split(last_n)
+        args = args._replace(history=state.history, last_n=window, last_n_value=window_value)
+        if s.dry_multiplier is not None:  # type: ignore[attr-defined]
+            mult, mult_value = _split(s.dry_multiplier)  # type: ignore[attr-defined]
+            base, base_value = _split(s.dry_base)  # type: ignore[attr-defined]
+            allowed, allowed_value = _split(s.dry_allowed_length)  # type: ignore[attr-defined]
+            dry_n, dry_n_value = _split(s.dry_penalty_last_n)  # type: ignore[attr-defined]
+            args = args._replace(
+                dry_multiplier=mult, dry_multiplier_value=mult_value, dry_base=base,
+                dry_base_value=base_value, dry_allowed=allowed, dry_allowed_value=allowed_value,
+                dry_window=dry_n, dry_window_value=dry_n_value, breakers=s.breaker_table,
+                singles=s.single_breakers,
+            )  # fmt: skip
+        ngram, ngram_value = _split(s.no_repeat_ngram_size)  # type: ignore[attr-defined]
+        args = args._replace(ngram=ngram, ngram_value=ngram_value)
     return args
 
 
-def applies(source: Tensor, params: StepParams, words: Tensor | None) -> bool:
+def applies(
+    source: Tensor, params: StepParams, words: Tensor | None, state: TokenStats | None = None,
+    extra_width: int = 0,
+) -> bool:  # fmt: skip
     """Whether :func:`sample_step` takes this step: the Triton backend, with a stage before
-    the controls or a logprob option of the step on."""
+    the controls, the sampler chain or a logprob option of the step on (the history stages:
+    with a context of at most :data:`fastsample.kernels.history.MAX_CONTEXT` entries, the
+    drafts' ``extra_width`` included)."""
     if not kernel_backend.use_triton(source.device.type):
         return False
     if params.samplers.history_on:
-        return False  # DRY, no-repeat n-grams and windowed penalties have no kernel yet
+        from ..kernels.history import MAX_CONTEXT
+
+        history = getattr(state, "history", None)
+        return history is not None and history.shape[1] + extra_width <= MAX_CONTEXT
     return (
         params.chain_on
         or words is not None

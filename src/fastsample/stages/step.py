@@ -120,7 +120,10 @@ def _prepare(
     batch = source.shape[0]
     dtype = compute_dtype(source.dtype)
     scores = v.detached(source)
-    if not (raw_wanted or kernel_declined) and kernel_step.applies(source, params, words):
+    extra_width = extra.shape[1] if extra is not None else 0
+    if not (raw_wanted or kernel_declined) and kernel_step.applies(
+        source, params, words, state, extra_width
+    ):
         staged = kernel_step.staged(scores, is_logits, params, state, words, indices, output_len,
                                     rows, extra)  # fmt: skip
         return _Prepared(scores if staged is None else staged, None, is_logits, params.rows_ok)
@@ -230,7 +233,7 @@ def sample_step(
         v.check_source_values(logits, probs)
         params.check_values()
         check_stream_values(rng)
-    if kernel_step.applies(source, params, words):  # the Triton backend: at most 3 launches
+    if kernel_step.applies(source, params, words, state):  # the Triton backend: 3 launches
         return kernel_step.sample_step(v.detached(source), logits is not None, params, state,
                                        words, indices, output_len, rng, state_rows)  # fmt: skip
     raw_mode = params.logprobs_mode == "raw"

@@ -6,8 +6,7 @@ four controls), seeded with tensors, with top-5 logprobs, ranks and requested id
 processed and the raw mode; the same with every truncation stage of the sampler chain on
 (llama.cpp's order), then with the history stages (DRY, no-repeat n-grams, windowed
 penalties) too; and the ``TokenStats.update`` after it. Issue budget on the Triton backend: 3
-for the step (stages, controls or chain, and draw kernels), 1 for the update; the history
-stages have no kernel yet (their torch ops are counted as they are).
+for the step (stages, controls or chain, and draw kernels), 1 for the update.
 """
 
 from __future__ import annotations
@@ -59,11 +58,12 @@ def step_calls(
                  "ids, seed=, step= tensors)")  # fmt: skip
         calls.append((label, call))
     # The sampler chain: every truncation stage on, llama.cpp's order (the chain kernel takes
-    # the controls kernel's place), then the history stages too (no kernel yet: torch ops).
+    # the controls kernel's place), then the history stages too (in the stages kernel).
     chain = dict(settings, typical_p=torch.full((batch,), 0.95, device=device),
                  epsilon_cutoff=1e-4, eta_cutoff=1e-4, top_n_sigma=rand(batch) + 2.0,
                  xtc_probability=rand(batch), xtc_threshold=0.1, dynatemp_range=0.3,
-                 mirostat_tau=torch.full((batch,), 5.0, device=device), order="llama.cpp")  # fmt: skip
+                 mirostat_tau=torch.full((batch,), 5.0, device=device),
+                 order="llama.cpp")  # fmt: skip
     chain_stats = TokenStats.from_prompts(ids(batch, 30), vocab, max_output_tokens=1000,
                                           history=64)  # fmt: skip
     params = StepParams(batch, vocab, **chain)  # type: ignore[arg-type]
@@ -76,8 +76,7 @@ def step_calls(
     history = StepParams(batch, vocab, dry_multiplier=0.8, no_repeat_ngram_size=3,
                          penalty_last_n=32, **chain)  # type: ignore[arg-type]
     calls.append((
-        "the same with DRY, no-repeat 3-grams and penalty_last_n=32 (history of 64; no kernel "
-        "yet: torch ops)",
+        "the same with DRY, no-repeat 3-grams and penalty_last_n=32 (history of 64)",
         lambda: sample_step(logits, params=history, state=chain_stats, step=seeds,
                             token_bitmask=words),
     ))  # fmt: skip
