@@ -550,8 +550,9 @@ _COMPILE = textwrap.dedent("""
 @pytest.mark.sm90_compile
 def test_kernels_compile_for_a_gpu():
     """The GPU path without a GPU: Triton's compiler (sm_90, down to a cubin) takes the stages
-    (the history stages too: a 64- and a 4096-entry context), step draw and update kernels (fusion on: the penalties' products are ``mul.rn``, which is
-    never contracted), and their ``triton_op`` registrations trace under fake tensors."""
+    (the history stages too: a 64- and a 4096-entry context), step draw and update kernels
+    (fusion on: the penalties' products are ``mul.rn``, which is never contracted), and their
+    ``triton_op`` registrations trace under fake tensors."""
     out = run_compiled(_COMPILE)
     assert out.count("compiled") == 9 and "traced" in out
 
