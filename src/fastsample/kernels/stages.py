@@ -33,6 +33,10 @@ path's order, each with the same float operations (:mod:`fastsample.stages`):
    and products (``div_rn``, PTX ``mul.rn`` on a GPU: never fused into an FMA), so the numbers
    are :func:`fastsample.stages.penalties.penalize`'s bit for bit.
 
+5. the history stages, after a barrier (``HISTORY``): windowed penalties, DRY and no-repeat
+   n-grams on the written row (:func:`.history.history_edits`); with a ``(B,)``
+   ``penalty_last_n`` the rows with a window skip the output-count penalties of passes 1-2.
+
 Speculative verification (``rows``, ``extra``): row ``r`` reads its statistics (seen bits,
 counts, and the output length for min-tokens) from stats row ``rows[r]``; its ``extra``
 tokens (``(R, E)``, -1-padded) count as output on top (for the length: every entry ``>= 0``).
