@@ -367,3 +367,30 @@ def test_chain_kernel_compiles_for_a_gpu():
     ``triton_op`` registration traces under fake tensors."""
     out = run_compiled(_COMPILE)
     assert out.count("compiled") == 2 and "traced" in out
+
+
+@pytest.mark.parametrize("xtc", [False, True])
+def test_process_step_is_the_torch_paths_distribution(backend, xtc):
+    """``process_step`` with the chain on: the chain kernel, normalized (XTC's exact mixture:
+    two launches with fixed coins), rows mapped to state rows (mirostat's ``mu`` there, or
+    given per row), a bad row all zeros; the torch path's distribution within 1e-6."""
+    settings = _step_settings(BATCH, True)
+    if not xtc:
+        del settings["xtc_probability"], settings["xtc_threshold"]
+    settings["top_p"] = settings["top_p"].clone()
+    settings["top_p"][3] = 2.0  # out of range: the row is all zeros
+    params = fs.StepParams(BATCH, VOCAB, order="joint", **settings)
+    stats = _state()
+    rows = torch.tensor([2, 3, 0, 1])
+    x = _logits(13)
+    for mu in (None, torch.tensor([2.0, math.nan, 7.0, 3.0])):
+        outs = {}
+        for name in ("torch", "triton"):
+            backend(name)
+            outs[name] = fs.process_step(x, params, state=stats, rows=rows, mirostat_mu=mu)
+        torch.testing.assert_close(outs["triton"], outs["torch"], rtol=0, atol=1e-6)
+        assert bool((outs["triton"][3] == 0).all())
+        assert torch.allclose(outs["triton"][:3].sum(-1), torch.ones(3, dtype=torch.float32))
+    backend("triton")
+    work = device_work(lambda: fs.process_step(x, params, state=stats, rows=rows))
+    assert work.kernels == (2 if xtc else 1), (work.total, work.names)

@@ -79,6 +79,10 @@ SETTINGS = (
 )  # fmt: skip
 """The settings the kernel reads, in its argument order (each a Python number or ``(B,)``)."""
 OFF, NUMBER, TENSOR = 0, 1, 2
+DRAWN, REMOVES, KEEPS = 0, 1, 2
+"""XTC's coin (``COIN``): the row's seeded uniform (a draw), or fixed at 0 (XTC removes
+wherever it is on) or 1 (it never does): :func:`fastsample.process_step` mixes the two."""
+_DRAWN, _REMOVES = tl.constexpr(DRAWN), tl.constexpr(REMOVES)
 # The same numbers as the kernel sees them (a @triton.jit function reads only constexprs).
 _TENSOR = tl.constexpr(TENSOR)
 _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _JOINT = (
@@ -209,7 +213,8 @@ def _chain_kernel(
     DR_MODE: tl.constexpr, DE_MODE: tl.constexpr, TAU_MODE: tl.constexpr,
     ORDER: tl.constexpr, DYNATEMP: tl.constexpr, HAS_ROWS: tl.constexpr,
     HAS_STEP: tl.constexpr, STREAM_ROWS: tl.constexpr, NUM_TOP: tl.constexpr,
-    IS_F64: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+    COIN: tl.constexpr, NORMALIZED: tl.constexpr, IS_F64: tl.constexpr, TILE: tl.constexpr,
+    BLOCK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32
     row = tl.program_id(0).to(tl.int64)
@@ -369,16 +374,19 @@ def _chain_kernel(
         if code == _XTC:
             chance = _setting(xp_ptr, xp_bits, row, XP_MODE)
             level = _setting(xt_ptr, xt_bits, row, XT_MODE)
-            seed = tl.load(seed_ptr + row * seed_stride)
-            k0, k1 = row_key(seed)
-            step = tl.full((), 0, tl.int64)
-            if HAS_STEP:
-                step = tl.load(step_ptr + row * step_stride)
-            stream = tl.full((), 0, tl.int64) + stream_value
-            if STREAM_ROWS:
-                stream = tl.load(stream_ptr + row * stream_stride)
-            c1, c2, c3 = counter_words(step, stream, _STAGE_PURPOSE)
-            coin, _ = pair_uniforms(tl.full((), 0, tl.int32), c1, c2, c3, k0, k1)
+            if COIN == _DRAWN:
+                seed = tl.load(seed_ptr + row * seed_stride)
+                k0, k1 = row_key(seed)
+                step = tl.full((), 0, tl.int64)
+                if HAS_STEP:
+                    step = tl.load(step_ptr + row * step_stride)
+                stream = tl.full((), 0, tl.int64) + stream_value
+                if STREAM_ROWS:
+                    stream = tl.load(stream_ptr + row * stream_stride)
+                c1, c2, c3 = counter_words(step, stream, _STAGE_PURPOSE)
+                coin, _ = pair_uniforms(tl.full((), 0, tl.int32), c1, c2, c3, k0, k1)
+            else:  # a fixed coin: 0 removes wherever XTC is on, 1 never does (coin < q)
+                coin = tl.full((), 0.0 if COIN == _REMOVES else 1.0, tl.float64)
             peak, s = _survivors(x_row, w_row, n, FLOAT, TILE, PRECISE)
             bound = _at_least(level * s, IS_F64)
             above = tl.full((), 0, tl.int64)
@@ -430,6 +438,14 @@ def _chain_kernel(
         tl.debug_barrier()
         _store_top(x_row, w_row, n, valid, total, top_ids_ptr + row * NUM_TOP,
                    top_logp_ptr + row * NUM_TOP, NUM_TOP, IS_F64, TILE, PRECISE)  # fmt: skip
+    if NORMALIZED:  # process_step: w / total, invalid rows all zeros (the controls kernel's)
+        tl.debug_barrier()
+        norm = total.to(FLOAT)
+        for start in range(0, n, TILE):
+            offs = start + lanes
+            inside = offs < n
+            w = tl.load(w_row + offs, mask=inside, other=0.0)
+            tl.store(w_row + offs, tl.where(valid, _div(w, norm, IS_F64), 0.0), mask=inside)
 
 
 def order_word(stages: list[int]) -> int:
@@ -461,6 +477,8 @@ def chain_weights(
     step: Tensor | None,
     stream: Tensor | int,
     num_top: int,
+    coin: int = DRAWN,
+    normalized: bool = False,
 ) -> tuple[Tensor, ...]:
     """The chain and the draw's weights in one launch (see the module docstring).
 
@@ -474,6 +492,10 @@ def chain_weights(
             each row's state row (None: row ``b``).
         seed, step, stream: the kernel counters of :func:`.ops.counters` (XTC's coin).
         num_top: ``top_logprobs`` of the chained distribution.
+        coin: XTC's coin, :data:`DRAWN` from the counters or fixed (:data:`REMOVES`,
+            :data:`KEEPS`; the counters are then never read).
+        normalized: the weights come out divided by the total (:func:`fastsample.process_step`'s
+            rows summing to 1, invalid rows all zeros); sums and total stay those of before.
 
     Returns:
         ``(chained (B, V), weights (B, V), sums, total, valid, top_ids, top_logprobs)``:
@@ -506,8 +528,8 @@ def chain_weights(
         top_ids, top_logp,
         **{mode_name: modes[name] for mode_name, name in zip(mode_names, SETTINGS, strict=True)},
         ORDER=order_word(stages), DYNATEMP=dynatemp, HAS_ROWS=rows is not None,
-        HAS_STEP=step is not None, STREAM_ROWS=stream_rows, NUM_TOP=num_top,
-        IS_F64=scores.dtype == torch.float64,
+        HAS_STEP=step is not None, STREAM_ROWS=stream_rows, NUM_TOP=num_top, COIN=coin,
+        NORMALIZED=normalized, IS_F64=scores.dtype == torch.float64,
         TILE=max(tile_for(vocab, INTERPRETED), BLOCK), BLOCK=BLOCK,
         PRECISE=not INTERPRETED and libdevice is not None,
     )  # fmt: skip

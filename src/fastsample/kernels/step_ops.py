@@ -235,18 +235,21 @@ def _chain_launcher(
     stream_rows: Tensor | None,
     stream_value: int,
     num_top: int,
+    coin: int = 0,
+    normalized: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # A custom op takes no unions: each setting is its tensor, else its number (NaN: off).
     settings = [t if t is not None else (None if math.isnan(x) else x)
                 for t, x in zip(tensors, numbers, strict=True)]  # fmt: skip
     return _chain.chain_weights(  # type: ignore[return-value]
         scores, settings, stages, dynatemp, mu, rows, seed, step,
-        stream_rows if stream_rows is not None else stream_value, num_top,
+        stream_rows if stream_rows is not None else stream_value, num_top, coin, normalized,
     )  # fmt: skip
 
 
-def _chain_fake(scores, *rest):
-    return _chain.outputs(scores, rest[-1])
+def _chain_fake(scores, tensors, numbers, stages, dynatemp, mu, rows, seed, step, stream_rows,
+                stream_value, num_top, coin=0, normalized=False):  # fmt: skip
+    return _chain.outputs(scores, num_top)
 
 
 def _update_launcher(
@@ -270,6 +273,27 @@ if INTERPRETED:
     update_op.register_fake(_update_fake)
 else:
     update_op = torch.library.triton_op(_UPDATE, _update_launcher, mutates_args=_MUTATED)
+
+
+def chain_distribution(scores: Tensor, chain: Chain, xtc_probability) -> Tensor:
+    """:func:`fastsample.process_step`'s distribution with the sampler chain on: one launch
+    of the chain kernel, normalized (invalid rows all zeros); with XTC on, its exact mixture
+    ``q P(removed) + (1 - q) P(kept)`` (two launches, fixed coins, and three ops)."""
+    tensors = [c if isinstance(c, Tensor) else None for c in chain.settings]
+    numbers = [math.nan if c is None or isinstance(c, Tensor) else float(c)
+               for c in chain.settings]  # fmt: skip
+
+    def run(coin: int) -> Tensor:
+        # The counters are never read with a fixed coin: any tensor stands in for them.
+        return chain_op(scores, tensors, numbers, chain.stages, chain.dynatemp, chain.mu,
+                        chain.rows, scores, None, None, 0, 0, coin, True)[1]  # fmt: skip
+
+    if xtc_probability is None:
+        return run(_chain.KEEPS)
+    q = xtc_probability
+    q = q[:, None].to(scores.dtype if scores.dtype == torch.float64 else torch.float32) \
+        if isinstance(q, Tensor) else q  # fmt: skip
+    return q * run(_chain.REMOVES) + (1 - q) * run(_chain.KEEPS)
 
 
 def update(counts: Tensor, length: Tensor, seen: Tensor, prompt: Tensor, ids: Tensor) -> None:

@@ -186,3 +186,20 @@ def chain_args(params: StepParams, state: TokenStats | None, rows: Tensor | None
         assert state is not None
         mu = state.mirostat_mu
     return Chain(settings, stages, s.dynatemp_on, mu, _unit(rows))
+
+
+def chain_distribution(
+    scores: Tensor, params: StepParams, state: TokenStats | None, rows: Tensor | None,
+    mirostat_mu: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """:func:`fastsample.process_step`'s distribution with the chain on, on the Triton backend:
+    the chain kernel on the staged ``scores`` (``mirostat_mu``: each row's ``mu`` in place of
+    the state's at ``rows``)."""
+    from ..kernels import step_ops
+
+    args = chain_args(params, state, rows)
+    if mirostat_mu is not None:
+        args = args._replace(mu=mirostat_mu, rows=None)
+    s = params.samplers
+    q = s.xtc_probability if s.on("xtc") else None  # type: ignore[attr-defined]
+    return step_ops.chain_distribution(scores, args, _unit(q))

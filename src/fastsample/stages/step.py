@@ -120,9 +120,8 @@ def _prepare(
     batch = source.shape[0]
     dtype = compute_dtype(source.dtype)
     scores = v.detached(source)
-    extra_width = extra.shape[1] if extra is not None else 0
     if not (raw_wanted or kernel_declined) and kernel_step.applies(
-        source, params, words, state, extra_width
+        source, params, words, state, _width(extra)
     ):
         staged = kernel_step.staged(scores, is_logits, params, state, words, indices, output_len,
                                     rows, extra)  # fmt: skip
@@ -299,6 +298,25 @@ def _mirostat_mu(
     return state.mirostat_mu if rows is None else state.mirostat_mu[rows]
 
 
+def _width(extra: Tensor | None) -> int:
+    return extra.shape[1] if extra is not None else 0
+
+
+def _chain_mu(
+    params: StepParams, state: TokenStats | None, rows: Tensor | None, extra: Tensor | None,
+    mirostat_mu: Tensor | None,
+) -> Tensor | None:  # fmt: skip
+    """``mirostat_mu`` as given (None: the state's, read at ``rows`` by the caller), checked:
+    with drafts it is required."""
+    if (mirostat_mu is None and params.samplers.on("mirostat") and extra is not None
+            and bool(extra.shape[1])):  # fmt: skip
+        raise ValueError(
+            "mirostat with drafts (extra=): its mu moves with each draft token, so pass "
+            "each row's mirostat_mu (fastsample.verify.targets.processed_positions does)"
+        )
+    return mirostat_mu
+
+
 def _chain_distribution(
     scores: Tensor, params: StepParams, state: TokenStats | None, rows: Tensor | None,
     extra: Tensor | None, mirostat_mu: Tensor | None = None,
@@ -306,13 +324,8 @@ def _chain_distribution(
     """The chain's processed distribution. XTC's coin is not drawn: the result is its exact
     mixture, ``q`` times the chain with XTC's removal plus ``1 - q`` times without."""
     samplers = params.samplers
-    mu = mirostat_mu
+    mu = _chain_mu(params, state, rows, extra, mirostat_mu)
     if mu is None:
-        if samplers.on("mirostat") and extra is not None and bool(extra.shape[1]):
-            raise ValueError(
-                "mirostat with drafts (extra=): its mu moves with each draft token, so pass "
-                "each row's mirostat_mu (fastsample.verify.targets.processed_positions does)"
-            )
         mu = _mirostat_mu(params, state, rows)
     off = chain.off_controls(params.controls)
 
@@ -386,7 +399,11 @@ def process_step(
     ready = _prepare(
         source, True, params, state, words, indices, output_len, False, rows, extra, True
     )
-    if params.chain_on:
+    if params.chain_on and kernel_step.applies(source, params, words, state, _width(extra)):
+        # The Triton backend: the chain kernel (tensor controls flagged inside).
+        mu = _chain_mu(params, state, rows, extra, mirostat_mu)
+        out = kernel_step.chain_distribution(ready.scores, params, state, rows, mu)
+    elif params.chain_on:
         out = _chain_distribution(ready.scores, params, state, rows, extra, mirostat_mu)
         fine = _chain_controls_ok(params)
         if fine is not None:
