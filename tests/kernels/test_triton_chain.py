@@ -331,10 +331,12 @@ _COMPILE = textwrap.dedent("""
              "ETA_MODE", "XP_MODE", "XT_MODE", "DR_MODE", "DE_MODE", "TAU_MODE")
     every = [kc.TEMPERATURE, kc.TOP_N_SIGMA, kc.JOINT, kc.MIN_P, kc.TYPICAL, kc.EPSILON,
              kc.ETA, kc.XTC, kc.MIROSTAT]
-    for mode, order, is_f64 in ((2, every, False), (1, [kc.TOP_K, kc.TOP_P] + every[3:], True)):
+    cases = ((2, every, False, kc.DRAWN), (1, [kc.TOP_K, kc.TOP_P] + every[3:], True, kc.REMOVES))
+    for mode, order, is_f64, coin in cases:  # a sampling step, then process_step's
         constants = dict({name: mode for name in modes}, ORDER=kc.order_word(order),
                          DYNATEMP=True, HAS_ROWS=True, HAS_STEP=True, STREAM_ROWS=True,
-                         NUM_TOP=3, IS_F64=is_f64, TILE=512, BLOCK=256, PRECISE=True)
+                         NUM_TOP=3, COIN=coin, NORMALIZED=coin != kc.DRAWN, IS_F64=is_f64,
+                         TILE=512, BLOCK=256, PRECISE=True)
         types = dict(pointers)
         if is_f64:
             types.update(src_ptr="*fp64", x_ptr="*fp64", weights_ptr="*fp64",
