@@ -1,0 +1,67 @@
+"""The history stages' building blocks (:mod:`fastsample.stages.history`) against brute force:
+per-token maxima and counts (:func:`_per_token`) and match lengths (:func:`match_lengths`).
+The stages' laws and the peers' agreement are in test_chain_law.py and test_chain_peers.py."""
+
+from __future__ import annotations
+
+import torch
+
+from fastsample.stages.history import _per_token, match_lengths
+
+
+def _brute_per_token(ids: list[int], values: list[int]) -> tuple[list[int], list[int]]:
+    largest, count = [], []
+    for token in ids:
+        same = [v for t, v in zip(ids, values, strict=True) if t == token]
+        largest.append(max(same) if token >= 0 else -1)
+        count.append(len(same) if token >= 0 else 0)
+    return largest, count
+
+
+def test_per_token_maxima_and_counts_match_brute_force():
+    gen = torch.Generator().manual_seed(3)
+    for width, vocab in ((1, 3), (7, 4), (64, 10), (300, 50)):
+        ids = torch.randint(-1, vocab, (5, width), generator=gen)
+        values = torch.randint(-1, width + 1, (5, width), generator=gen)
+        largest, count = _per_token(ids, values)
+        for b in range(5):
+            want = _brute_per_token(ids[b].tolist(), values[b].tolist())
+            assert largest[b].tolist() == want[0]
+            assert count[b].tolist() == want[1]
+
+
+def test_match_lengths_match_brute_force():
+    gen = torch.Generator().manual_seed(4)
+    hist = torch.randint(-1, 3, (6, 40), generator=gen)
+    hist[0] = torch.tensor([1, 2] * 20)  # matches that run to the start
+    limit = torch.tensor([40, 5, 0, 2, 40, 1])
+    got = match_lengths(hist, limit)
+    for b in range(6):
+        row = hist[b].tolist()
+        for c in range(40):
+            m = 0
+            while (m < limit[b] and c - 1 - m >= 0 and row[c - 1 - m] == row[39 - m]
+                   and row[39 - m] >= 0):  # fmt: skip
+                m += 1
+            assert got[b, c].item() == m, (b, c)
+
+
+def test_history_stages_compile_fullgraph():
+    """No host sync: a step with DRY (breakers), no-repeat n-grams and windowed penalties
+    traces whole under ``torch.compile(fullgraph=True)`` and draws the eager step's tokens."""
+    import fastsample as fs
+
+    vocab = 40
+    stats = fs.TokenStats.from_prompts([[1, 2, 3, 1, 2], [4, 4, 4], [5, 6, 5, 6, 5]], vocab,
+                                       history=16)  # fmt: skip
+    params = fs.StepParams(3, vocab, dry_multiplier=0.8, dry_allowed_length=1,
+                           dry_sequence_breakers=[[[3]], [], [[6, 5]]], no_repeat_ngram_size=2,
+                           penalty_last_n=4, repetition_penalty=1.2,
+                           seed=torch.arange(3))  # fmt: skip
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+
+    def step(x):
+        return fs.sample_step(x, params=params, state=stats, step=1).token_ids
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(logits), step(logits))
