@@ -20,10 +20,12 @@ speculative verification, the drafts before each position (``extra``), appended 
 
 Match lengths (:func:`match_lengths`) come from one compare per length, all positions at once;
 on CPU in eager mode the loop stops when no repeat is still growing (a host read, free
-there), elsewhere it runs the window's length. Per-token maxima and counts use a sort of the
-window's ``(B, H)`` entries (:func:`_per_token`), never a ``(B, V)`` table; edits are gathers
-and scatters at the window's tokens (entries naming one token compute one value, so the
-scatter is exact).
+there), elsewhere it runs the window's length. DRY and the n-gram ban lower each token by a
+``scatter_reduce`` (``amin``) of its entries' values (:func:`_lower_`: a token's penalty is
+its longest match's, the largest); the windowed penalties' counts come from a sort of the
+window's entries (:func:`_per_token`), never a ``(B, V)`` table; their edit is one scatter
+(entries naming one token compute one value, so it is exact). A Python window narrower than
+the history keeps only its columns.
 """
 
 from __future__ import annotations
@@ -74,8 +76,12 @@ def _context(state: TokenStats, rows: Tensor | None, extra: Tensor | None) -> Te
 
 
 def _window(hist: Tensor, last_n: int | Tensor) -> Tensor:
-    """``hist`` with the entries before the last ``last_n`` set to -1 (``-1``: all)."""
+    """``hist`` with the entries before the last ``last_n`` set to -1 (``-1``: all); a Python
+    ``last_n`` narrower than ``hist`` keeps only its columns (what follows sorts and matches
+    ``last_n`` entries a row, not the whole history)."""
     width = hist.shape[1]
+    if not isinstance(last_n, Tensor) and 0 <= last_n < width:
+        return hist[:, width - last_n :]
     n = torch.as_tensor(last_n, device=hist.device)
     n = torch.where(n < 0, width, n).reshape(-1, 1)
     inside = torch.arange(width, device=hist.device)[None, :] >= width - n
@@ -143,6 +149,19 @@ def _edit_(x: Tensor, ids: Tensor, new_values: Tensor, changed: Tensor) -> None:
     x.scatter_(1, target, written)
 
 
+def _lower_(x: Tensor, ids: Tensor, new_values: Tensor, changed: Tensor) -> None:
+    """``x[b, t] = min(x[b, t], new_values)`` over the entries naming ``t`` where ``changed``,
+    in one ``scatter_reduce`` (``amin``: exact). DRY and the n-gram ban lower a token by the
+    largest of its entries' penalties (each monotone in its entry's match length), so no
+    per-token maximum is needed first; unchanged and padding (-1) entries write the current
+    value back."""
+    valid = ids >= 0
+    target = ids.clamp_min(0)
+    current = x.gather(1, target)
+    written = torch.where(changed & valid, new_values.to(x.dtype), current)
+    x.scatter_reduce_(1, target, written, reduce="amin", include_self=True)
+
+
 def _breaker_limit(hist: Tensor, table: Tensor | None) -> Tensor | None:
     """``(B,)``: how many of the context's last tokens follow its last complete sequence
     breaker (``table``: :func:`~fastsample.stages.samplers.breaker_tables`' sequences; an
@@ -199,11 +218,10 @@ def apply_(
         _dry_(x, hist, s, multiplier)
     n = s.no_repeat_ngram_size  # type: ignore[attr-defined]
     if n is not None:
-        longest, _ = _per_token(hist, match_lengths(hist))
+        # An entry bans its token when the n - 1 tokens before it repeat the context's last.
         need = torch.as_tensor(n, device=x.device).reshape(-1, 1) - 1
-        banned = (hist >= 0) & (longest >= need) & (need >= 0)
-        ids = hist.clamp_min(0)
-        _edit_(x, ids, torch.full_like(x.gather(1, ids), -math.inf), banned)
+        banned = (hist >= 0) & (match_lengths(hist) >= need) & (need >= 0)
+        _lower_(x, hist, torch.full(hist.shape, -math.inf, device=x.device), banned)
     return x
 
 
@@ -218,7 +236,9 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
     lengths = match_lengths(window, limit)
     # The window's first token extends nothing (it follows no position of the window).
     first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
-    longest, _ = _per_token(window, torch.where(first, -1, lengths))
+    # Each entry's own match length: its token's penalty is the largest of its entries'
+    # (_lower_), that of its longest match.
+    longest = torch.where(first, -1, lengths)
     allowed = _rows_value(s.dry_allowed_length, x)
     base = _rows_value(s.dry_base, x)
     mult = _rows_value(multiplier, x)
@@ -233,7 +253,7 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
     exponent = (longest.to(torch.float64) - allowed).clamp_max(_max_exponent(base))
     penalty = mult.to(torch.float64) * torch.pow(base.to(torch.float64), exponent)
     ids = window.clamp_min(0)
-    _edit_(x, ids, x.gather(1, ids) - penalty.to(x.dtype), hit)
+    _lower_(x, window, x.gather(1, ids) - penalty.to(x.dtype), hit)
 
 
 def _max_exponent(base: Tensor) -> Tensor:
