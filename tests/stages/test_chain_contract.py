@@ -291,6 +291,29 @@ def test_the_candidate_chain_and_its_tie_fallback():
             assert ((out.probs > 0) & (out.probs <= 1)).all()
 
 
+def test_the_candidate_chain_finds_the_whole_rows_numbers():
+    """On the candidates, dynamic temperature and top-n-sigma take the whole row's entropy,
+    count and deviation: the same kept logits as the whole-row chain, rows with removed
+    (``-inf``) entries included (their entropy then takes the masked path)."""
+    from fastsample.ops.noise import GeneratorSource
+    from fastsample.stages import chain
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4, V, generator=gen) * 2
+    x[1, ::3] = -math.inf  # a grammar's removals
+    x[3, 40:] = -math.inf
+    for stage in ({"dynatemp_range": 0.7, "dynatemp_exponent": 1.3}, {"top_n_sigma": 1.2}):
+        params = fs.StepParams(4, V, temperature=0.8, top_k=15, **stage)
+        source = GeneratorSource(None, 4, x.device)
+        few = chain.candidates(x, params.controls, params.samplers, source, None)
+        assert few is not None
+        whole = chain.run(x, params.controls, params.samplers, source, None)
+        values, ids = few
+        torch.testing.assert_close(values, whole.gather(1, ids), rtol=1e-6, atol=0)
+        kept = (whole > -math.inf).sum(-1)
+        assert torch.equal((values > -math.inf).sum(-1), kept)
+
+
 def test_dry_breakers_longer_than_the_history_or_empty_break_nothing():
     """As llama.cpp: a breaker longer than the window cannot occur (it limits nothing), and an
     empty one is skipped; both leave DRY's penalty as without breakers."""

@@ -34,11 +34,13 @@ class RowWeights(NamedTuple):
     peak: Tensor  # (B, 1) max x (the shift)
 
 
-def row_weights(x: Tensor, out: Tensor | None = None) -> RowWeights:
+def row_weights(x: Tensor, out: Tensor | None = None, peak: Tensor | None = None) -> RowWeights:
     """The weights of the current survivors (see the module docstring), in ``out`` if given
     (a kept buffer spares a long row's fresh pages). The total is summed in ``x``'s dtype
-    (torch sums pairwise; a float64 accumulation is ~30x slower on CPU), then widened."""
-    peak = x.amax(-1, keepdim=True)
+    (torch sums pairwise; a float64 accumulation is ~30x slower on CPU), then widened.
+    ``peak``: the ``(B, 1)`` row maxima when the caller has them (a pass saved)."""
+    if peak is None:
+        peak = x.amax(-1, keepdim=True)
     # An all-removed row (peak -inf) gets weights NaN: the chain flags it invalid later.
     weights = torch.sub(x, peak, out=out).exp_() if out is not None else torch.exp(x - peak)
     return RowWeights(weights, weights.sum(-1).to(torch.float64), peak)
@@ -158,10 +160,12 @@ def eta_cutoff(x: Tensor, eta: Setting) -> Tensor:
     return _keep(x, got.weights >= at_least(threshold, got.weights.dtype))
 
 
-def top_n_sigma_threshold(x: Tensor, n: Setting) -> Tensor:
+def top_n_sigma_threshold(x: Tensor, n: Setting, peak: Tensor | None = None) -> Tensor:
     """``(B, 1)`` top-nσ's threshold ``max x - n sigma`` in ``x``'s dtype (``-inf`` where
-    ``n <= 0``): ``sigma`` the population standard deviation of the surviving logits."""
-    peak = x.amax(-1, keepdim=True)
+    ``n <= 0``): ``sigma`` the population standard deviation of the surviving logits.
+    ``peak``: the ``(B, 1)`` row maxima when the caller has them."""
+    if peak is None:
+        peak = x.amax(-1, keepdim=True)
     n_rows = _rows(n, x)
     if x.device.type == "cpu" and not torch.compiler.is_compiling():
         # Two cheap reductions when no row holds a removed (-inf) token (its sum is then
@@ -212,21 +216,26 @@ def xtc(x: Tensor, probability: Setting, threshold: Setting, coin: Tensor) -> Te
 
 
 def dynamic_temperature_value(
-    x: Tensor, t: Setting, spread: Setting, exponent: Setting, finite: bool = False
-) -> Tensor:
-    """``(B,)`` float64 temperature of :func:`dynamic_temperature` on ``x``; ``finite``: no
-    entry of ``x`` is ``-inf`` (known to the caller), so ``sum w x`` is one dot product."""
+    x: Tensor, t: Setting, spread: Setting, exponent: Setting, finite: bool | None = False,
+    peak: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``(B,)`` float64 temperature of :func:`dynamic_temperature` on ``x``. ``finite``: no
+    entry of ``x`` is ``-inf``, so ``sum w x`` is one dot product (``None``: unknown, found
+    from that product, NaN where a ``-inf`` entry meets its 0 weight: a host read, for CPU
+    eager callers; False: the masked entropy); ``peak``: the ``(B, 1)`` row maxima when the
+    caller has them."""
     got = row_weights(x, scratch.buffer("chain", tuple(x.shape), x.dtype, x.device)
-                      if finite else None)  # fmt: skip
-    count = (x > -math.inf).sum(-1).to(torch.float64) if not finite else None
-    if finite:  # H = log S - sum w (x - max) / S, without a masked copy
+                      if finite is not False else None, peak)  # fmt: skip
+    h = None
+    if finite is not False:  # H = log S - sum w (x - max) / S, without a masked copy
         spread_sum = torch.linalg.vecdot(got.weights, x).to(torch.float64)
         spread_sum = spread_sum - got.peak.squeeze(1).to(torch.float64) * got.total
-        h = got.total.log() - spread_sum / got.total
-        count = torch.full_like(h, float(x.shape[1]))
-    else:
+        if finite or bool(torch.isfinite(spread_sum).all()):
+            h = got.total.log() - spread_sum / got.total
+            count = torch.full_like(h, float(x.shape[1]))
+    if h is None:
         h = entropy(x, got)
-    assert count is not None
+        count = (x > -math.inf).sum(-1).to(torch.float64)
     t_rows, spread_rows = _rows(t, x).squeeze(1), _rows(spread, x).squeeze(1)
     lo, hi = (t_rows - spread_rows).clamp_min(0), t_rows + spread_rows
     normalized = h / count.clamp_min(2).log()

@@ -149,7 +149,9 @@ def candidates(
     values, ids = values.gather(1, by_value), ids.gather(1, by_value)
     if count < vocab and bool((values[:, -1] == values[:, k - 1]).any()):
         return None  # ties at the k-th beyond the candidates
-    # The whole-row numbers, once the candidates are sure to be used.
+    # The whole-row numbers, once the candidates are sure to be used; the row maximum from
+    # the block maxima (no NaN or +inf here), not another pass.
+    peak = maxima.amax(-1, keepdim=True)
     fixed_t = None
     if samplers.dynatemp_on and "temperature" in before:
         # First in the chain: its temperature comes from the whole row's entropy, then it
@@ -157,11 +159,11 @@ def candidates(
         fixed_t = cut.dynamic_temperature_value(
             x, 1.0 if controls.temperature is None else controls.temperature,
             samplers.dynatemp_range, samplers.dynatemp_exponent,  # type: ignore[attr-defined]
-            finite=bool(torch.isfinite(x.sum(-1)).all()),
+            finite=None, peak=peak,
         ).to(x.dtype)  # fmt: skip
     sigma_cut = None
     if "top_n_sigma" in before:
-        sigma_cut = cut.top_n_sigma_threshold(x, samplers.top_n_sigma)  # type: ignore[attr-defined]
+        sigma_cut = cut.top_n_sigma_threshold(x, samplers.top_n_sigma, peak)  # type: ignore[attr-defined]
         t = controls.temperature if fixed_t is None else fixed_t
         if "temperature" in before[: before.index("top_n_sigma")] and t is not None:
             t_rows = torch.as_tensor(t, dtype=x.dtype).reshape(-1, 1)
