@@ -21,20 +21,22 @@ def _entropy64(row: np.ndarray) -> tuple[float, int]:
 
 
 def test_dynamic_temperature_in_pieces_is_the_float64_value():
-    """B=64 and V=20,000: three pieces of 8,192 columns (and a short last one); a row with
-    removed entries takes the masked entropy. Every row's temperature is the float64 formula's
-    within 1e-6 relative."""
+    """B=64 and V=20,000: three pieces of 8,192 columns (and a short last one); a batch with a
+    row of removed entries takes the masked entropy (the pieces' product is NaN there). Every
+    row's temperature is the float64 formula's within 1e-6 relative, either way."""
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(64, 20_000, generator=gen) * 3
-    x[5, ::4] = -math.inf
+    clean = torch.randn(64, 20_000, generator=gen) * 3
+    masked = clean.clone()
+    masked[5, ::4] = -math.inf
     t, spread, exponent = 0.9, 0.5, 1.3
-    for finite in (None, False):
-        got = truncation.dynamic_temperature_value(x, t, spread, exponent, finite=finite)
-        for b in (0, 5, 63):
-            h, count = _entropy64(x[b].numpy())
-            lo, hi = max(t - spread, 0.0), t + spread
-            want = lo + (hi - lo) * (h / math.log(count)) ** exponent
-            assert math.isclose(got[b].item(), want, rel_tol=1e-6), (finite, b)
+    for x in (clean, masked):
+        for finite in (None, False):
+            got = truncation.dynamic_temperature_value(x, t, spread, exponent, finite=finite)
+            for b in (0, 5, 63):
+                h, count = _entropy64(x[b].numpy())
+                lo, hi = max(t - spread, 0.0), t + spread
+                want = lo + (hi - lo) * (h / math.log(count)) ** exponent
+                assert math.isclose(got[b].item(), want, rel_tol=1e-6), (finite, b)
 
 
 def test_top_n_sigma_threshold_is_the_float64_value():
