@@ -65,3 +65,23 @@ def test_history_stages_compile_fullgraph():
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     assert torch.equal(compiled(logits), step(logits))
+
+
+def test_the_histories_width_past_the_contexts_changes_nothing():
+    """Padding before every row's context (a history wider than the contexts, dropped on CPU)
+    leaves DRY (breakers included), the n-gram ban and the windowed penalties as they are."""
+    import fastsample as fs
+    from fastsample.stages import staged_logits
+
+    vocab = 30
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4], [6, 7, 8, 9, 6, 7, 8]]
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2))
+    params = fs.StepParams(3, vocab, dry_multiplier=0.8, dry_allowed_length=1,
+                           dry_sequence_breakers=[[], [[5, 4]], [[9]]], no_repeat_ngram_size=3,
+                           penalty_last_n=-1, repetition_penalty=1.3,
+                           frequency_penalty=0.2)  # fmt: skip
+    edited = [staged_logits(logits, params=params,
+                            state=fs.TokenStats.from_prompts(prompts, vocab, history=width))
+              for width in (8, 64)]  # fmt: skip
+    assert torch.equal(edited[0], edited[1])
+    assert not torch.equal(edited[0], logits)

@@ -72,6 +72,11 @@ def _context(state: TokenStats, rows: Tensor | None, extra: Tensor | None) -> Te
                           dtype=torch.int64, device=hist.device)  # fmt: skip
         wide[:, extra.shape[1] :] = hist
         hist = shift_in(wide, extra)
+    if _eager_cpu(hist) and hist.shape[1] > 1:
+        # The columns before the first one any row holds a token in are padding for every
+        # row: dropped (a host read, free on CPU), so the stages' work is the contexts'.
+        first = int((hist >= 0).any(0).to(torch.uint8).argmax())
+        hist = hist[:, first:]
     return hist
 
 
