@@ -5,9 +5,12 @@
 launch of the stages kernel, and a step with any stage or logprob option on is the stages,
 controls and draw launches of :mod:`fastsample.kernels.step_ops` (the same arguments, the same
 results: tests/kernels/test_triton_stages.py); with the sampler chain on, the chain kernel
-takes the controls kernel's place (:func:`chain_args`; tests/kernels/test_triton_chain.py). A
-step with none of them keeps the controls kernels' path of :mod:`.draw`; one with a history
-stage (DRY, no-repeat n-grams, windowed penalties: no kernel yet) the torch ops.
+takes the controls kernel's place (:func:`chain_args`; tests/kernels/test_triton_chain.py),
+and in :func:`fastsample.process_step` it makes the distribution (:func:`chain_distribution`).
+The history stages (DRY, no-repeat n-grams, windowed penalties) run last in the stages kernel
+(tests/kernels/test_triton_history.py) when the context, drafts included, fits its tile
+(:data:`fastsample.kernels.history.MAX_CONTEXT`); a longer one takes the torch ops. A step
+with none of them keeps the controls kernels' path of :mod:`.draw`.
 """
 
 from __future__ import annotations
