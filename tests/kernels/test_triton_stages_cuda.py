@@ -5,8 +5,9 @@ interpreter; here the compiled kernels (libdevice ``exp``/``log``, ``div.rn``, `
 barriers between the passes of a program) meet the torch ops on the same CUDA tensors: the
 staged buffer bitwise (no duplicate bias ids: the torch path's CUDA ``scatter_add_`` adds
 those in any order), the tokens of a seeded step, the state update bitwise, three launches
-per step and one per update, and capture in a CUDA graph under sync-debug "error".
-Skipped without CUDA.
+per step and one per update, and capture in a CUDA graph under sync-debug "error"; the same
+for a step with every stage (the history stages and the sampler chain: staged logits, tokens,
+``process_step``'s distribution, three launches, capture). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -102,6 +103,86 @@ def test_launches_and_capture_in_a_cuda_graph(monkeypatch):
     run()
     work = device_work(run)
     assert work.kernels == 4 and work.total <= 4, work.names  # 3 for the step, 1 for the update
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tokens = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    length = stats.output_len.clone()
+    steps += 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(stats.output_len, length + 1)
+    assert bool(((tokens >= 0) & (tokens < V)).all())
+
+
+def _every_stage(batch: int):
+    """Every stage of the step on CUDA tensors: the history stages on contexts that repeat
+    (a 7-token cycle), the sampler chain in llama.cpp's order, penalties and logprobs."""
+    gen = torch.Generator().manual_seed(batch + 100)
+    cycle = (torch.arange(300) % 7 + 11).repeat(batch, 1)
+    cycle[:, ::50] = torch.randint(0, V, (batch, 6), generator=gen)  # a few breaks
+    params = fs.StepParams(
+        batch, V, device="cuda", order="llama.cpp",
+        temperature=(torch.rand(batch, generator=gen) + 0.4).cuda(), top_k=200, top_p=0.95,
+        min_p=0.01, typical_p=0.97, epsilon_cutoff=1e-6, eta_cutoff=1e-6, top_n_sigma=3.0,
+        xtc_probability=torch.rand(batch, generator=gen).cuda(), xtc_threshold=0.1,
+        dynatemp_range=0.3, mirostat_tau=torch.full((batch,), 6.0).cuda(),
+        repetition_penalty=1.1, penalty_last_n=64, dry_multiplier=0.8,
+        dry_sequence_breakers=[[[13]]] * batch, no_repeat_ngram_size=4,
+        seed=torch.arange(batch).cuda(), top_logprobs=3,
+    )  # fmt: skip
+    logits = (torch.randn(batch, V, generator=gen) * 3).cuda()
+    stats = fs.TokenStats.from_prompts(cycle.cuda(), V, history=512)
+    return logits, params, stats
+
+
+def test_every_stage_matches_the_torch_ops_on_cuda(monkeypatch):
+    """The history stages (stages kernel) and the chain kernel against the torch ops on the
+    same CUDA tensors: the staged logits (removed tokens exactly, values within 1e-6: ``pow``
+    may differ by an ulp), the tokens of a seeded step (one row may differ where rounding sits
+    at a cut), ``process_step``'s distribution."""
+    logits, params, stats = _every_stage(8)
+    steps = torch.arange(8, device="cuda")
+    outs = {}
+    for name in ("torch", "triton"):
+        monkeypatch.setenv("FASTSAMPLE_BACKEND", name)
+        staged = staged_logits(logits, params, state=stats)
+        out = fs.sample_step(logits, params=params, state=stats, step=steps)
+        outs[name] = staged, out, fs.process_step(logits, params, state=stats)
+    (staged_t, theirs, dist_t), (staged_o, ours, dist_o) = outs["torch"], outs["triton"]
+    removed = staged_t == -float("inf")
+    assert torch.equal(removed, staged_o == -float("inf"))
+    assert bool((staged_t != logits).any())  # the history stages acted
+    torch.testing.assert_close(staged_o[~removed], staged_t[~removed], rtol=1e-6, atol=0)
+    assert torch.equal(ours.valid, theirs.valid) and bool(ours.valid.all())
+    assert int((ours.token_ids != theirs.token_ids).any(-1).sum()) <= 1
+    torch.testing.assert_close(dist_o, dist_t, rtol=0, atol=1e-5)
+
+
+def test_every_stage_is_three_launches_and_captures_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "auto")  # CUDA tensors take the kernels
+    logits, params, stats = _every_stage(4)
+    steps = torch.zeros(4, dtype=torch.int64, device="cuda")
+
+    def step():
+        return fs.sample_step(logits, params=params, state=stats, step=steps)
+
+    def run():
+        out = step()
+        stats.update(out.token_ids, probs=out.probs, params=params)
+        return out.token_ids
+
+    run()
+    work = device_work(step)
+    assert work.kernels == 3 and work.total <= 3, work.names
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
