@@ -90,19 +90,10 @@ def test_compiled_update_matches_the_torch_update_on_cuda(monkeypatch):
         assert torch.equal(getattr(states["triton"], field), getattr(states["torch"], field))
 
 
-def test_launches_and_capture_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setenv("FASTSAMPLE_BACKEND", "auto")  # CUDA tensors take the kernels
-    logits, params, stats, words = _inputs(4, "raw")
-    steps = torch.zeros(4, dtype=torch.int64, device="cuda")
-
-    def run():
-        out = fs.sample_step(logits, params=params, state=stats, step=steps, token_bitmask=words)
-        stats.update(out.token_ids)
-        return out.token_ids
-
-    run()
-    work = device_work(run)
-    assert work.kernels == 4 and work.total <= 4, work.names  # 3 for the step, 1 for the update
+def _replays_in_a_cuda_graph(run, stats, steps) -> None:
+    """``run`` (a step and the state's update) captured in a CUDA graph under sync-debug
+    "error" (no host sync), then replayed with the steps advanced: one more token per row, in
+    range."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -121,6 +112,22 @@ def test_launches_and_capture_in_a_cuda_graph(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(stats.output_len, length + 1)
     assert bool(((tokens >= 0) & (tokens < V)).all())
+
+
+def test_launches_and_capture_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("FASTSAMPLE_BACKEND", "auto")  # CUDA tensors take the kernels
+    logits, params, stats, words = _inputs(4, "raw")
+    steps = torch.zeros(4, dtype=torch.int64, device="cuda")
+
+    def run():
+        out = fs.sample_step(logits, params=params, state=stats, step=steps, token_bitmask=words)
+        stats.update(out.token_ids)
+        return out.token_ids
+
+    run()
+    work = device_work(run)
+    assert work.kernels == 4 and work.total <= 4, work.names  # 3 for the step, 1 for the update
+    _replays_in_a_cuda_graph(run, stats, steps)
 
 
 def _every_stage(batch: int):
@@ -183,21 +190,4 @@ def test_every_stage_is_three_launches_and_captures_in_a_cuda_graph(monkeypatch)
     run()
     work = device_work(step)
     assert work.kernels == 3 and work.total <= 3, work.names
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            tokens = run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    length = stats.output_len.clone()
-    steps += 1
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(stats.output_len, length + 1)
-    assert bool(((tokens >= 0) & (tokens < V)).all())
+    _replays_in_a_cuda_graph(run, stats, steps)
