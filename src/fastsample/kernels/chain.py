@@ -42,11 +42,16 @@ from torch import Tensor
 from ..ops.inverse_cdf import BLOCK
 from . import launch
 from .controls import (
-    _as_float64,
+    _TENSOR,
+    NUMBER,
+    OFF,
+    TENSOR,
     _bits,
     _div,
     _exp,
     _log,
+    _power,
+    _setting,
     _store_block_sums,
     _store_top,
     libdevice,
@@ -78,13 +83,11 @@ SETTINGS = (
     "mirostat_tau",
 )  # fmt: skip
 """The settings the kernel reads, in its argument order (each a Python number or ``(B,)``)."""
-OFF, NUMBER, TENSOR = 0, 1, 2
 DRAWN, REMOVES, KEEPS = 0, 1, 2
 """XTC's coin (``COIN``): the row's seeded uniform (a draw), or fixed at 0 (XTC removes
 wherever it is on) or 1 (it never does): :func:`fastsample.process_step` mixes the two."""
 _DRAWN, _REMOVES = tl.constexpr(DRAWN), tl.constexpr(REMOVES)
 # The same numbers as the kernel sees them (a @triton.jit function reads only constexprs).
-_TENSOR = tl.constexpr(TENSOR)
 _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _JOINT = (
     tl.constexpr(c) for c in (TEMPERATURE, TOP_K, TOP_P, MIN_P, JOINT)
 )
@@ -95,33 +98,11 @@ _STAGE_PURPOSE = tl.constexpr(2)  # fastsample.ops.seeds.Purpose.STAGE
 
 
 @triton.jit
-def _setting(ptr, bits, row, MODE: tl.constexpr):
-    """A row's setting as a float64 scalar: read from its ``(B,)`` tensor, or a Python number
-    passed by its float64 bits (an off setting reads as its bits too: never used)."""
-    if MODE == _TENSOR:  # noqa: SIM108 (a ternary would compile the load for numbers too)
-        value = tl.load(ptr + row).to(tl.float64)
-    else:
-        value = _as_float64(bits)
-    return value
-
-
-@triton.jit
 def _exp2(x, PRECISE: tl.constexpr):
     if PRECISE:  # noqa: SIM108
         y = libdevice.exp2(x)
     else:
         y = tl.exp2(x)
-    return y
-
-
-@triton.jit
-def _power(base, exponent, PRECISE: tl.constexpr):
-    """``base ** exponent`` for ``base >= 0`` in float64, ``0 ** 0 = 1`` (torch's ``pow``)."""
-    if PRECISE:
-        y = libdevice.pow(base, exponent)
-    else:
-        y = tl.where(base > 0, tl.exp(exponent * tl.log(tl.where(base > 0, base, 1.0))), 0.0)
-        y = tl.where(exponent == 0, 1.0, y)
     return y
 
 

@@ -87,6 +87,29 @@ def _log(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _power(base, exponent, PRECISE: tl.constexpr):
+    """``base ** exponent`` for ``base >= 0`` in float64, ``0 ** 0 = 1`` (torch's ``pow``)."""
+    if PRECISE:
+        y = libdevice.pow(base, exponent)
+    else:
+        y = tl.where(base > 0, tl.exp(exponent * tl.log(tl.where(base > 0, base, 1.0))), 0.0)
+        y = tl.where(exponent == 0, 1.0, y)
+    return y
+
+
+@triton.jit
+def _setting(ptr, bits, row, MODE: tl.constexpr):
+    """A row's setting as a float64 scalar: read from its ``(B,)`` tensor (``MODE`` TENSOR),
+    or a Python number passed by its float64 bits (an off setting reads as its bits too: never
+    used). The chain's and the history stages' kernels read every setting so."""
+    if MODE == _TENSOR:  # noqa: SIM108 (a ternary would compile the load for numbers too)
+        value = tl.load(ptr + row).to(tl.float64)
+    else:
+        value = _as_float64(bits)
+    return value
+
+
+@triton.jit
 def _div(a, b, IS_F64: tl.constexpr):
     """Correctly rounded division (Triton's float32 ``/`` is approximate on a GPU)."""
     if IS_F64:  # noqa: SIM108 (a ternary would compile both calls)

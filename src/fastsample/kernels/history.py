@@ -30,15 +30,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .controls import _as_float64, _div, _exp, _log, _mul, libdevice
+from .controls import _div, _mul, _power, _setting
 from .select import largest as max_of
 from .select import total as sum_of
 
 MAX_CONTEXT = 4096
 """The longest context (history plus drafts) the kernel holds in one tile."""
-
-OFF, NUMBER, TENSOR = 0, 1, 2
-
 
 class History(NamedTuple):
     """The history stages of a step as the stages kernel takes them: the state's ``(S, H)``
@@ -61,20 +58,11 @@ class History(NamedTuple):
     ngram_value: float | None = None
     breakers: Tensor | None = None
     singles: Tensor | None = None
-_TENSOR = tl.constexpr(TENSOR)
+
+
 _BIG = tl.constexpr(2**62)  # a key past every real one (ids * SPAN stay below 2**40)
 
 _larger = tl.standard._elementwise_max
-
-
-@triton.jit
-def _setting(ptr, bits, row, MODE: tl.constexpr):
-    """A row's setting as float64: its ``(B,)`` tensor's entry, or a Python number's bits."""
-    if MODE == _TENSOR:  # noqa: SIM108 (a ternary would compile the load for numbers too)
-        value = tl.load(ptr + row).to(tl.float64)
-    else:
-        value = _as_float64(bits)
-    return value
 
 
 @triton.jit
@@ -126,6 +114,24 @@ def _per_token(ids, values, valid, scratch_row, W_PAD: tl.constexpr):
 
 
 @triton.jit
+def penalized(x, seen, count, rep, freq, pres, REP: tl.constexpr, FREQ: tl.constexpr,
+              PRES: tl.constexpr, IS_F64: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
+    """:func:`fastsample.stages.penalties.penalize` on a tile: ``seen`` (bool) and ``count``
+    (``x``'s dtype) per entry, each penalty on unless its mode is 0; correctly rounded
+    division and products (:func:`.controls._mul`), so the numbers are the torch op's bit for
+    bit. The stages kernel's output-count penalties and the windowed ones here."""
+    FLOAT: tl.constexpr = tl.float64 if IS_F64 else tl.float32
+    if REP != 0:
+        r = tl.where(seen, rep, 1.0).to(FLOAT)
+        x = tl.where(x > 0, _div(x, r, IS_F64), _mul(x, r, IS_F64, PRECISE))
+    if FREQ != 0:
+        x = x - _mul(count, tl.broadcast_to(freq, count.shape), IS_F64, PRECISE)
+    if PRES != 0:
+        x = tl.where(count > 0, x - pres, x)
+    return x
+
+
+@triton.jit
 def _context(hist_row, hist_width, extra_row, num_extra, drafted, W_PAD: tl.constexpr):
     """The context tile: the history with the ``drafted`` valid drafts appended, as many of its
     oldest entries dropped (``-1`` before the context starts and past ``W``)."""
@@ -169,16 +175,6 @@ def _dry_cap(base32):
 
 
 @triton.jit
-def _power(base, exponent, PRECISE: tl.constexpr):
-    """``base ** exponent`` in float64 for ``base >= 1`` (libdevice's ``pow`` on a GPU)."""
-    if PRECISE:  # noqa: SIM108 (a ternary would compile both)
-        y = libdevice.pow(base, exponent)
-    else:
-        y = _exp(exponent * _log(base, PRECISE), PRECISE)
-    return y
-
-
-@triton.jit
 def history_edits(
     out, n, row, hist_row, hist_width, extra_row, num_extra, drafted, scratch_row,
     last_n_ptr, last_n_bits, rep, freq, pres, mult_ptr, mult_bits, base_ptr, base_bits,
@@ -207,12 +203,8 @@ def history_edits(
         counted = _both(named & (j >= width - size), last_n != 0)
         token, _, count, last = _per_token(ctx, tl.zeros_like(j), counted, keys_row, W_PAD)
         x = tl.load(out + token, mask=last, other=0.0)
-        if REP != 0:
-            x = tl.where(x > 0, _div(x, rep, IS_F64), _mul(x, rep, IS_F64, PRECISE))
-        if FREQ != 0:
-            x = x - _mul(count.to(FLOAT), tl.broadcast_to(freq, x.shape), IS_F64, PRECISE)
-        if PRES != 0:
-            x = x - pres
+        x = penalized(x, count > 0, count.to(FLOAT), rep, freq, pres, REP, FREQ, PRES, IS_F64,
+                      PRECISE)  # fmt: skip
         tl.store(out + token, x, mask=last)
         tl.debug_barrier()
 

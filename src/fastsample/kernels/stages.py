@@ -58,8 +58,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import launch
-from .controls import _as_float64, _div, _exp, _log, _mul, libdevice, next_largest
-from .history import History, history_edits
+from .controls import _as_float64, _exp, _log, libdevice, next_largest
+from .history import History, history_edits, penalized
 from .philox import INTERPRETED
 from .select import largest as max_of
 from .select import tile_for
@@ -108,14 +108,7 @@ def _penalize(x, cols, inside, seen_row, counts_row, extra, extra_in, rep, freq,
         count = count + sum_of(hits.to(tl.int32), 1).to(FLOAT)
     word = tl.load(seen_row + cols // 32, mask=inside, other=0)
     seen = bit_of(word, cols) | (count > 0)
-    if REP != _OFF:
-        r = tl.where(seen, rep, 1.0).to(FLOAT)
-        x = tl.where(x > 0, _div(x, r, IS_F64), _mul(x, r, IS_F64, PRECISE))
-    if FREQ != _OFF:
-        x = x - _mul(count, tl.broadcast_to(freq, count.shape), IS_F64, PRECISE)
-    if PRES != _OFF:
-        x = tl.where(count > 0, x - pres, x)
-    return x
+    return penalized(x, seen, count, rep, freq, pres, REP, FREQ, PRES, IS_F64, PRECISE)
 
 
 @triton.jit
