@@ -275,18 +275,27 @@ else:
     update_op = torch.library.triton_op(_UPDATE, _update_launcher, mutates_args=_MUTATED)
 
 
+def _run_chain(
+    scores: Tensor, chain: Chain, counted: tuple, num_top: int, coin: int = _chain.DRAWN,
+    normalized: bool = False,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """The chain op on ``chain``: its settings split into tensors and numbers (NaN: off), as a
+    custom op takes them; ``counted``: ``(seed, step, stream_rows, stream_value)``."""
+    tensors = [c if isinstance(c, Tensor) else None for c in chain.settings]
+    numbers = [math.nan if c is None or isinstance(c, Tensor) else float(c)
+               for c in chain.settings]  # fmt: skip
+    return chain_op(scores, tensors, numbers, chain.stages, chain.dynatemp, chain.mu,
+                    chain.rows, *counted, num_top, coin, normalized)  # fmt: skip
+
+
 def chain_distribution(scores: Tensor, chain: Chain, xtc_probability) -> Tensor:
     """:func:`fastsample.process_step`'s distribution with the sampler chain on: one launch
     of the chain kernel, normalized (invalid rows all zeros); with XTC on, its exact mixture
     ``q P(removed) + (1 - q) P(kept)`` (two launches, fixed coins, and three ops)."""
-    tensors = [c if isinstance(c, Tensor) else None for c in chain.settings]
-    numbers = [math.nan if c is None or isinstance(c, Tensor) else float(c)
-               for c in chain.settings]  # fmt: skip
 
     def run(coin: int) -> Tensor:
         # The counters are never read with a fixed coin: any tensor stands in for them.
-        return chain_op(scores, tensors, numbers, chain.stages, chain.dynatemp, chain.mu,
-                        chain.rows, scores, None, None, 0, 0, coin, True)[1]  # fmt: skip
+        return _run_chain(scores, chain, (scores, None, None, 0), 0, coin, True)[1]
 
     if xtc_probability is None:
         return run(_chain.KEEPS)
@@ -361,13 +370,9 @@ def sample_step(
     counted = None
     if chain is not None:  # the chain kernel in the controls kernel's place
         counted = counters(rng, batch, source.device)
-        tensors = [c if isinstance(c, Tensor) else None for c in chain.settings]
-        numbers = [math.nan if c is None or isinstance(c, Tensor) else float(c)
-                   for c in chain.settings]  # fmt: skip
-        scores, weights, sums, total, clean, top_ids, top = chain_op(
-            scores, tensors, numbers, chain.stages, chain.dynatemp, chain.mu, chain.rows,
-            *counted, processed_top,
-        )  # fmt: skip
+        scores, weights, sums, total, clean, top_ids, top = _run_chain(
+            scores, chain, counted, processed_top
+        )
         got, mode, t = (weights, sums, total, clean), _draw.DRAW, None
     elif controls.all_greedy and processed_top == 0 and not tensor_controls:
         mode = _draw.SCAN  # nothing to weigh: the draw launch judges the rows itself
