@@ -302,31 +302,14 @@ def _width(extra: Tensor | None) -> int:
     return extra.shape[1] if extra is not None else 0
 
 
-def _chain_mu(
-    params: StepParams, state: TokenStats | None, rows: Tensor | None, extra: Tensor | None,
-    mirostat_mu: Tensor | None,
-) -> Tensor | None:  # fmt: skip
-    """``mirostat_mu`` as given (None: the state's, read at ``rows`` by the caller), checked:
-    with drafts it is required."""
-    if (mirostat_mu is None and params.samplers.on("mirostat") and extra is not None
-            and bool(extra.shape[1])):  # fmt: skip
-        raise ValueError(
-            "mirostat with drafts (extra=): its mu moves with each draft token, so pass "
-            "each row's mirostat_mu (fastsample.verify.targets.processed_positions does)"
-        )
-    return mirostat_mu
-
-
 def _chain_distribution(
     scores: Tensor, params: StepParams, state: TokenStats | None, rows: Tensor | None,
-    extra: Tensor | None, mirostat_mu: Tensor | None = None,
+    mirostat_mu: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """The chain's processed distribution. XTC's coin is not drawn: the result is its exact
     mixture, ``q`` times the chain with XTC's removal plus ``1 - q`` times without."""
     samplers = params.samplers
-    mu = _chain_mu(params, state, rows, extra, mirostat_mu)
-    if mu is None:
-        mu = _mirostat_mu(params, state, rows)
+    mu = mirostat_mu if mirostat_mu is not None else _mirostat_mu(params, state, rows)
     off = chain.off_controls(params.controls)
 
     def distribution(coin: float) -> Tensor:
@@ -396,15 +379,20 @@ def process_step(
         or mirostat_mu.device != source.device
     ):  # fmt: skip
         raise ValueError(f"mirostat_mu must be a ({source.shape[0]},) tensor on {source.device}")
+    if (mirostat_mu is None and params.samplers.on("mirostat") and extra is not None
+            and bool(extra.shape[1])):  # fmt: skip
+        raise ValueError(
+            "mirostat with drafts (extra=): its mu moves with each draft token, so pass "
+            "each row's mirostat_mu (fastsample.verify.targets.processed_positions does)"
+        )
     ready = _prepare(
         source, True, params, state, words, indices, output_len, False, rows, extra, True
     )
     if params.chain_on and kernel_step.applies(source, params, words, state, _width(extra)):
         # The Triton backend: the chain kernel (tensor controls flagged inside).
-        mu = _chain_mu(params, state, rows, extra, mirostat_mu)
-        out = kernel_step.chain_distribution(ready.scores, params, state, rows, mu)
+        out = kernel_step.chain_distribution(ready.scores, params, state, rows, mirostat_mu)
     elif params.chain_on:
-        out = _chain_distribution(ready.scores, params, state, rows, extra, mirostat_mu)
+        out = _chain_distribution(ready.scores, params, state, rows, mirostat_mu)
         fine = _chain_controls_ok(params)
         if fine is not None:
             out = torch.where(fine[:, None], out, 0.0)
