@@ -31,8 +31,11 @@ deliberate differences (:data:`KNOWN_DIFFERENCES`) are printed with the table. A
 disagreement is a failure: the script prints each one (inputs, both results, the rule that
 differs) and exits with status 1.
 
-Not part of CI: ``pip install llama-cpp-python`` builds llama.cpp from the sdist (a C/C++
-compiler and CMake needed), which takes ~9 minutes on 2 cores. A CPU build is enough; no
+``pip install llama-cpp-python`` builds llama.cpp from the sdist (a C/C++ compiler and CMake
+needed): ~9 minutes on 2 cores by default, ~5 with only the library (``CMAKE_ARGS=
+"-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+-DLLAMA_BUILD_SERVER=OFF"``), ~3 at ``-O0`` as ``.ci/run`` builds it for the tests (values,
+not timings: keep the optimized build for ``bench --samplers``). A CPU build is enough; no
 model is loaded. Setup::
 
     python -m venv /tmp/llama-venv

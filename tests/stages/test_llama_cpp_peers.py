@@ -1,7 +1,7 @@
 """The llama.cpp-style stages against llama.cpp's own samplers (llama-cpp-python's ctypes API),
 a few rows each: the comparisons of ``scripts/compare_llama_cpp.py`` (imported from there),
 which runs thousands of rows and documents the setup. Skipped where ``llama_cpp`` does not
-import (the project's environments: building it takes ~9 minutes on 2 cores).
+import (``.ci/run`` builds it; the script says how to elsewhere).
 
 Run with a venv that has llama-cpp-python 0.3.36::
 

@@ -146,7 +146,8 @@ def _llama_cpp_call(logits: list[Tensor], batch: int, vocab: int) -> dict[str, C
 def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     if device.type != "cpu":
-        print("bench --samplers measures the CPU path (the Triton stages are not written yet)")
+        print("bench --samplers measures the CPU path; bench --launches counts the Triton "
+              "step's launches with every stage on")
         return 2
     timing: Timing = timing_from_args(args)
     vocab = (args.vocab or [128256])[0]
