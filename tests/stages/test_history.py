@@ -4,6 +4,7 @@ The stages' laws and the peers' agreement are in test_chain_law.py and test_chai
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fastsample.stages.history import _per_token, match_lengths
@@ -65,6 +66,40 @@ def test_history_stages_compile_fullgraph():
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     assert torch.equal(compiled(logits), step(logits))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_the_eager_edits_of_the_changed_entries_equal_every_entrys(per_row):
+    """On CPU in eager mode DRY and the n-gram ban compute and scatter only the entries they
+    change; traced (every entry, as on the GPU) the staged logits are bitwise the same, with
+    settings as numbers and as per-row tensors (one row off), on contexts built to repeat."""
+    import fastsample as fs
+    from fastsample.stages import staged_logits
+
+    vocab, batch = 50, 4
+    gen = torch.Generator().manual_seed(3)
+    phrase = torch.randint(0, vocab, (batch, 6), generator=gen)
+    prompts = torch.cat((phrase, torch.randint(0, vocab, (batch, 9), generator=gen), phrase,
+                         phrase[:, :3]), dim=1)  # fmt: skip
+    stats = fs.TokenStats.from_prompts(prompts, vocab, history=32)
+    if per_row:
+        settings = dict(dry_multiplier=torch.tensor([0.8, 0.0, 1.5, 0.3]),
+                        dry_base=torch.tensor([1.75, 2.0, 1.1, 3.0]),
+                        dry_allowed_length=torch.tensor([2, 1, 0, 3]),
+                        no_repeat_ngram_size=torch.tensor([3, 0, 2, 4]))  # fmt: skip
+    else:
+        settings = dict(dry_multiplier=0.8, dry_allowed_length=1, no_repeat_ngram_size=3)
+    params = fs.StepParams(batch, vocab, dry_sequence_breakers=[[], [[7]], [], [[1, 2]]],
+                           **settings)  # fmt: skip
+    logits = torch.randn(batch, vocab, generator=gen)
+
+    def edit(x):
+        return staged_logits(x, params=params, state=stats)
+
+    eager = edit(logits)
+    traced = torch.compile(edit, fullgraph=True, backend="eager")(logits)
+    assert torch.equal(eager, traced)
+    assert (eager != logits).sum() >= batch  # the stages acted
 
 
 def test_the_histories_width_past_the_contexts_changes_nothing():

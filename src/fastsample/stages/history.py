@@ -22,9 +22,10 @@ Match lengths (:func:`match_lengths`) come from one compare per length, all posi
 on CPU in eager mode the loop stops when no repeat is still growing (a host read, free
 there), elsewhere it runs the window's length. DRY and the n-gram ban lower each token by a
 ``scatter_reduce`` (``amin``) of its entries' values (:func:`_lower_`: a token's penalty is
-its longest match's, the largest); the windowed penalties' counts come from a sort of the
-window's entries (:func:`_per_token`), never a ``(B, V)`` table; their edit is one scatter
-(entries naming one token compute one value, so it is exact). A Python window narrower than
+its longest match's, the largest; on CPU in eager mode only the changed entries'); the
+windowed penalties' counts come from a sort of the window's entries (:func:`_per_token`),
+never a ``(B, V)`` table; their edit is one scatter (entries naming one token compute one
+value, so it is exact). A Python window narrower than
 the history keeps only its columns.
 """
 
@@ -154,16 +155,35 @@ def _edit_(x: Tensor, ids: Tensor, new_values: Tensor, changed: Tensor) -> None:
     x.scatter_(1, target, written)
 
 
-def _lower_(x: Tensor, ids: Tensor, new_values: Tensor, changed: Tensor) -> None:
-    """``x[b, t] = min(x[b, t], new_values)`` over the entries naming ``t`` where ``changed``,
-    in one ``scatter_reduce`` (``amin``: exact). DRY and the n-gram ban lower a token by the
-    largest of its entries' penalties (each monotone in its entry's match length), so no
-    per-token maximum is needed first; unchanged and padding (-1) entries write the current
-    value back."""
+def _lower_(x: Tensor, ids: Tensor, changed: Tensor, lowered) -> None:
+    """``x[b, t] = min(x[b, t], v)`` over the entries ``(b, j)`` naming ``t = ids[b, j]`` where
+    ``changed``, ``v`` each entry's ``lowered(pick, current)`` (``current`` its token's value
+    now; ``pick`` selects the entries' values of a ``(B, N)`` or ``(B, 1)`` tensor), in one
+    ``scatter_reduce`` (``amin``: exact). DRY and the n-gram ban lower a token by the largest
+    of its entries' penalties (each monotone in its entry's match length), so no per-token
+    maximum is needed first. On CPU in eager mode only the changed entries are computed and
+    scattered (found by ``nonzero``, a host read there, free: they are few); elsewhere every
+    entry is, unchanged and padding (-1) ones writing the current value back."""
+    if _eager_cpu(x) and x.is_contiguous():
+        rows, cols = changed.nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return
+        flat = rows * x.shape[1] + ids[rows, cols]
+
+        def pick(t: Tensor) -> Tensor:  # (B, N), (B, 1) or a setting's (1, 1)
+            if t.shape[1] > 1:
+                return t[rows, cols]
+            return t[:, 0] if t.shape[0] == 1 else t[rows, 0]
+
+        flat_x = x.view(-1)
+        new_values = lowered(pick, flat_x[flat]).to(x.dtype)
+        flat_x.scatter_reduce_(0, flat, new_values, reduce="amin", include_self=True)
+        return
     valid = ids >= 0
     target = ids.clamp_min(0)
     current = x.gather(1, target)
-    written = torch.where(changed & valid, new_values.to(x.dtype), current)
+    new_values = lowered(lambda t: t, current).to(x.dtype)
+    written = torch.where(changed & valid, new_values, current)
     x.scatter_reduce_(1, target, written, reduce="amin", include_self=True)
 
 
@@ -226,7 +246,7 @@ def apply_(
         # An entry bans its token when the n - 1 tokens before it repeat the context's last.
         need = torch.as_tensor(n, device=x.device).reshape(-1, 1) - 1
         banned = (hist >= 0) & (match_lengths(hist) >= need) & (need >= 0)
-        _lower_(x, hist, torch.full(hist.shape, -math.inf, device=x.device), banned)
+        _lower_(x, hist, banned, lambda pick, current: torch.full_like(current, -math.inf))
     return x
 
 
@@ -255,10 +275,14 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
     hit = present & on & (longest.to(torch.float32) >= allowed)
     if s.single_breakers is not None:  # single-token breakers are never penalized
         hit &= ~(window[:, :, None] == s.single_breakers[:, None, :]).any(-1)
-    exponent = (longest.to(torch.float64) - allowed).clamp_max(_max_exponent(base))
-    penalty = mult.to(torch.float64) * torch.pow(base.to(torch.float64), exponent)
-    ids = window.clamp_min(0)
-    _lower_(x, window, x.gather(1, ids) - penalty.to(x.dtype), hit)
+    cap = _max_exponent(base)
+
+    def lowered(pick, current: Tensor) -> Tensor:
+        exponent = (pick(longest).to(torch.float64) - pick(allowed)).clamp_max(pick(cap))
+        penalty = pick(mult).to(torch.float64) * torch.pow(pick(base).to(torch.float64), exponent)
+        return current - penalty.to(current.dtype)
+
+    _lower_(x, window, hit, lowered)
 
 
 def _max_exponent(base: Tensor) -> Tensor:
