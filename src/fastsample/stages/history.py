@@ -25,8 +25,7 @@ there), elsewhere it runs the window's length. DRY and the n-gram ban lower each
 its longest match's, the largest; on CPU in eager mode only the changed entries'); the
 windowed penalties' counts come from a sort of the window's entries (:func:`_per_token`),
 never a ``(B, V)`` table; their edit is one scatter (entries naming one token compute one
-value, so it is exact). A Python window narrower than
-the history keeps only its columns.
+value, so it is exact). A Python window narrower than the history keeps only its columns.
 """
 
 from __future__ import annotations
@@ -275,9 +274,8 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
     hit = present & on & (longest.to(torch.float32) >= allowed)
     if s.single_breakers is not None:  # single-token breakers are never penalized
         hit &= ~(window[:, :, None] == s.single_breakers[:, None, :]).any(-1)
-    cap = _max_exponent(base)
-
     def lowered(pick, current: Tensor) -> Tensor:
+        cap = _max_exponent(base)
         exponent = (pick(longest).to(torch.float64) - pick(allowed)).clamp_max(pick(cap))
         penalty = pick(mult).to(torch.float64) * torch.pow(pick(base).to(torch.float64), exponent)
         return current - penalty.to(current.dtype)
