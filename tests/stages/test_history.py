@@ -120,3 +120,18 @@ def test_the_histories_width_past_the_contexts_changes_nothing():
               for width in (8, 64)]  # fmt: skip
     assert torch.equal(edited[0], edited[1])
     assert not torch.equal(edited[0], logits)
+
+
+@pytest.mark.parametrize("width", [1, 40, 128, 129, 300])
+def test_window_counts_by_pairs_equal_the_sorts(width):
+    """A window's per-entry token counts: the all-pairs compare (narrow windows) and the sort
+    (wide ones) give the same counts, padding (-1) counting 0."""
+    from fastsample.stages.history import _counts, _per_token
+
+    gen = torch.Generator().manual_seed(width)
+    ids = torch.randint(0, 12, (5, width), generator=gen)
+    ids[0, : width // 2] = -1  # a row whose context starts late
+    ids[3] = -1  # an empty row
+    want = _per_token(ids, torch.zeros_like(ids))[1]
+    assert torch.equal(_counts(ids), want)
+    assert width < 3 or want.max() > 1  # repeats to count

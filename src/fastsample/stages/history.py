@@ -85,8 +85,9 @@ def _window(hist: Tensor, last_n: int | Tensor) -> Tensor:
     ``last_n`` narrower than ``hist`` keeps only its columns (what follows sorts and matches
     ``last_n`` entries a row, not the whole history)."""
     width = hist.shape[1]
-    if not isinstance(last_n, Tensor) and 0 <= last_n < width:
-        return hist[:, width - last_n :]
+    if not isinstance(last_n, Tensor):
+        # -1 or a window past the history: the history itself (read, never written).
+        return hist if last_n < 0 or last_n >= width else hist[:, width - last_n :]
     n = torch.as_tensor(last_n, device=hist.device)
     n = torch.where(n < 0, width, n).reshape(-1, 1)
     inside = torch.arange(width, device=hist.device)[None, :] >= width - n
@@ -114,6 +115,19 @@ def match_lengths(hist: Tensor, limit: Tensor | None = None) -> Tensor:
         if _eager_cpu(hist) and not bool(alive.any()):
             break
     return length
+
+
+_PAIRWISE_WIDTH = 128  # windows up to this wide count by an all-pairs compare, not a sort
+
+
+def _counts(ids: Tensor) -> Tensor:
+    """For each entry of ``ids`` (``(B, N)``, -1 = none), how many entries name its token (0
+    for padding): an all-pairs compare for narrow windows (``B N^2`` compares in ~3 ops, the
+    sort's ~40 cost more below ~128), else :func:`_per_token`'s sort."""
+    if ids.shape[1] > _PAIRWISE_WIDTH:
+        return _per_token(ids, torch.zeros_like(ids))[1]
+    same = (ids[:, :, None] == ids[:, None, :]).sum(-1, dtype=torch.int32)  # ~2x int64's
+    return torch.where(ids >= 0, same, 0).to(ids.dtype)
 
 
 def _per_token(ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -223,7 +237,7 @@ def apply_(
     last_n = s.penalty_last_n  # type: ignore[attr-defined]
     if last_n is not None and params.penalties_on:
         window = _window(hist, last_n)
-        _, counts = _per_token(window, torch.zeros_like(window))
+        counts = _counts(window)
         on = window >= 0
         if isinstance(last_n, Tensor):
             on &= (last_n != 0)[:, None]
@@ -237,19 +251,30 @@ def apply_(
             per_row(params.frequency_penalty), per_row(params.presence_penalty),
         )  # fmt: skip
         _edit_(x, ids, values, on)
+    unlimited: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def lengths(window: Tensor, limit: Tensor | None = None) -> Tensor:
+        """match_lengths, once per window without a breaker limit (DRY over the whole
+        history and the n-gram ban share it)."""
+        if limit is not None:
+            return match_lengths(window, limit)
+        if id(window) not in unlimited:  # the window is kept with it: its id stays its own
+            unlimited[id(window)] = (window, match_lengths(window))
+        return unlimited[id(window)][1]
+
     multiplier = s.dry_multiplier  # type: ignore[attr-defined]
     if multiplier is not None:
-        _dry_(x, hist, s, multiplier)
+        _dry_(x, hist, s, multiplier, lengths)
     n = s.no_repeat_ngram_size  # type: ignore[attr-defined]
     if n is not None:
         # An entry bans its token when the n - 1 tokens before it repeat the context's last.
         need = torch.as_tensor(n, device=x.device).reshape(-1, 1) - 1
-        banned = (hist >= 0) & (match_lengths(hist) >= need) & (need >= 0)
+        banned = (hist >= 0) & (lengths(hist) >= need) & (need >= 0)
         _lower_(x, hist, banned, lambda pick, current: torch.full_like(current, -math.inf))
     return x
 
 
-def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
+def _dry_(x: Tensor, hist: Tensor, s, multiplier, lengths=match_lengths) -> None:
     """DRY on ``x`` in place (llama.cpp's rules: see the module docstring and
     :func:`_breaker_limit`)."""
     last_n = s.dry_penalty_last_n
@@ -257,12 +282,12 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier) -> None:
     present = window >= 0
     size = present.sum(-1, keepdim=True)  # N: the window's tokens
     limit = _breaker_limit(window, s.breaker_table)
-    lengths = match_lengths(window, limit)
+    matched = lengths(window, limit)
     # The window's first token extends nothing (it follows no position of the window).
     first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
     # Each entry's own match length: its token's penalty is the largest of its entries'
     # (_lower_), that of its longest match.
-    longest = torch.where(first, -1, lengths)
+    longest = torch.where(first, -1, matched)
     allowed = _rows_value(s.dry_allowed_length, x)
     base = _rows_value(s.dry_base, x)
     mult = _rows_value(multiplier, x)
