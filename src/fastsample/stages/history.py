@@ -283,11 +283,16 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier, lengths=match_lengths) -> None
     size = present.sum(-1, keepdim=True)  # N: the window's tokens
     limit = _breaker_limit(window, s.breaker_table)
     matched = lengths(window, limit)
-    # The window's first token extends nothing (it follows no position of the window).
-    first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
     # Each entry's own match length: its token's penalty is the largest of its entries'
     # (_lower_), that of its longest match.
-    longest = torch.where(first, -1, matched)
+    longest = matched
+    some_allowed_zero = not isinstance(s.dry_allowed_length, int) or s.dry_allowed_length < 1
+    if some_allowed_zero:
+        # The window's first token extends nothing (it follows no position of the window):
+        # its length 0 must not reach an allowed length 0. (A length >= 1 needs a token
+        # before it in the window, which the first lacks.)
+        first = torch.arange(window.shape[1], device=x.device)[None, :] == window.shape[1] - size
+        longest = torch.where(first, -1, matched)
     allowed = _rows_value(s.dry_allowed_length, x)
     base = _rows_value(s.dry_base, x)
     mult = _rows_value(multiplier, x)
@@ -296,9 +301,10 @@ def _dry_(x: Tensor, hist: Tensor, s, multiplier, lengths=match_lengths) -> None
     # last breaker.
     on = (size > allowed) & (reach >= allowed) & (mult != 0)
     on &= torch.as_tensor(last_n, device=x.device).reshape(-1, 1) != 0
-    hit = present & on & (longest.to(torch.float32) >= allowed)
+    hit = present & on & (longest >= allowed)  # compared in float32, as allowed is
     if s.single_breakers is not None:  # single-token breakers are never penalized
         hit &= ~(window[:, :, None] == s.single_breakers[:, None, :]).any(-1)
+
     def lowered(pick, current: Tensor) -> Tensor:
         cap = _max_exponent(base)
         exponent = (pick(longest).to(torch.float64) - pick(allowed)).clamp_max(pick(cap))
