@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..ops import truncation as cut
 from ..ops.noise import UniformSource
-from ..ops.select import block_maxima, candidate_entries
+from ..ops.select import block_maxima, largest_entries
 from ..ops.validation import Controls
 from .samplers import Samplers
 
@@ -141,10 +141,7 @@ def candidates(
         return None  # the whole-row chain flags such rows
     vocab = x.shape[1]
     count = min(vocab, k + _TIE_MARGIN)
-    # CPU eager: the entries reaching the smallest candidate block maximum (host reads),
-    # not the fixed-shape two-level topk.
-    found = candidate_entries(x, count, maxima, host=True)
-    values, ids = found.values, found.ids
+    values, ids = largest_entries(x, count, maxima)
     # Value first, then index: the first maximal survivor is the lowest index (greedy).
     by_id = ids.argsort(dim=1)
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
