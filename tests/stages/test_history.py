@@ -135,3 +135,17 @@ def test_window_counts_by_pairs_equal_the_sorts(width):
     want = _per_token(ids, torch.zeros_like(ids))[1]
     assert torch.equal(_counts(ids), want)
     assert width < 3 or want.max() > 1  # repeats to count
+
+
+def test_lowering_skips_padding_entries_even_when_marked():
+    """A padding (-1) entry marked as changed writes nothing: on CPU its flat index would
+    land in the row before (here the last token of the last row)."""
+    from fastsample.stages.history import _lower_
+
+    x = torch.zeros(2, 5)
+    ids = torch.tensor([[-1, 2], [1, 3]])
+    _lower_(x, ids, torch.ones(2, 2, dtype=torch.bool),
+            lambda pick, current: torch.full_like(current, -1.0))  # fmt: skip
+    want = torch.zeros(2, 5)
+    want[0, 2] = want[1, 1] = want[1, 3] = -1.0
+    assert torch.equal(x, want)

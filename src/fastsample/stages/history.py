@@ -178,7 +178,8 @@ def _lower_(x: Tensor, ids: Tensor, changed: Tensor, lowered) -> None:
     scattered (found by ``nonzero``, a host read there, free: they are few); elsewhere every
     entry is, unchanged and padding (-1) ones writing the current value back."""
     if _eager_cpu(x) and x.is_contiguous():
-        rows, cols = changed.nonzero(as_tuple=True)
+        # Padding (-1) entries never write: a flat index would land in the row before.
+        rows, cols = (changed & (ids >= 0)).nonzero(as_tuple=True)
         if rows.numel() == 0:
             return
         flat = rows * x.shape[1] + ids[rows, cols]
