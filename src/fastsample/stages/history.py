@@ -23,9 +23,10 @@ on CPU in eager mode the loop stops when no repeat is still growing (a host read
 there), elsewhere it runs the window's length. DRY and the n-gram ban lower each token by a
 ``scatter_reduce`` (``amin``) of its entries' values (:func:`_lower_`: a token's penalty is
 its longest match's, the largest; on CPU in eager mode only the changed entries'); the
-windowed penalties' counts come from a sort of the window's entries (:func:`_per_token`),
-never a ``(B, V)`` table; their edit is one scatter (entries naming one token compute one
-value, so it is exact). A Python window narrower than the history keeps only its columns.
+windowed penalties' counts come from an all-pairs compare of the window's entries, or a sort
+of them past 128 (:func:`_counts`), never a ``(B, V)`` table; their edit is one scatter
+(entries naming one token compute one value, so it is exact). A Python window narrower than
+the history keeps only its columns.
 """
 
 from __future__ import annotations
