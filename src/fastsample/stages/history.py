@@ -253,16 +253,16 @@ def apply_(
             per_row(params.frequency_penalty), per_row(params.presence_penalty),
         )  # fmt: skip
         _edit_(x, ids, values, on)
-    unlimited: dict[int, tuple[Tensor, Tensor]] = {}
+    whole: list[Tensor] = []  # the history's own match lengths, once
 
     def lengths(window: Tensor, limit: Tensor | None = None) -> Tensor:
-        """match_lengths, once per window without a breaker limit (DRY over the whole
-        history and the n-gram ban share it)."""
-        if limit is not None:
+        """match_lengths; the history's without a breaker limit once (DRY over the whole
+        history, whose window is the history itself, and the n-gram ban share it)."""
+        if window is not hist or limit is not None:
             return match_lengths(window, limit)
-        if id(window) not in unlimited:  # the window is kept with it: its id stays its own
-            unlimited[id(window)] = (window, match_lengths(window))
-        return unlimited[id(window)][1]
+        if not whole:
+            whole.append(match_lengths(hist))
+        return whole[0]
 
     multiplier = s.dry_multiplier  # type: ignore[attr-defined]
     if multiplier is not None:
