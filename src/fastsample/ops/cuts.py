@@ -13,6 +13,7 @@ import struct
 import torch
 from torch import Tensor
 
+from . import top_p_entries
 from .inverse_cdf import block_sums
 from .pieces import piece_rows
 from .select import CANDIDATE_MAX_K, descending_threshold, largest_entries
@@ -25,14 +26,31 @@ def as_rows(value: float | int | Tensor, batch: int, like: Tensor) -> Tensor:
     return torch.full((batch,), value, dtype=like.dtype, device=like.device)
 
 
-def top_p_cut(weights: Tensor, top_p: float | Tensor, mass: Tensor | None) -> Tensor:
+def top_p_cut(
+    weights: Tensor,
+    top_p: float | Tensor,
+    mass: Tensor | None,
+    peak: Tensor | None = None,
+    maxima: Tensor | None = None,
+    vocab: int | None = None,
+) -> Tensor:
     """Top-p threshold on ``weights`` by radix selection: ``top_p`` of ``mass`` (the top-k
-    survivors' mass), or of the whole row's if None."""
+    survivors' mass), or of the whole row's if None. For the whole row on CPU in eager mode,
+    given ``peak`` (each row's largest weight), the same cut from the entries above an
+    estimated bound where that can be shown to hold (:mod:`.top_p_entries`; ``maxima``: the
+    input's block maxima if known, ``vocab``: the row's entries before any padding)."""
     rows = torch.empty(weights.shape[0], dtype=torch.float64, device=weights.device)
     p = as_rows(top_p, rows.shape[0], rows)
-    if mass is None:
+    cut = None
+    if mass is None and peak is not None and top_p_entries.applies(weights):
+        # Rows with top-p off (or invalid) get 0 below whatever their cut: any share serves.
+        share = torch.where((p > 0) & (p < 1), p, 0.5)
+        cut = top_p_entries.top_p_cut(
+            weights, peak, share, maxima, weights.shape[1] if vocab is None else vocab
+        )
+    if cut is None and mass is None:
         cut = descending_threshold(weights, p, "share")
-    else:
+    elif cut is None:
         cut = descending_threshold(weights, p * mass, "mass")
     return torch.where(p < 1, cut, 0.0)
 
@@ -184,7 +202,7 @@ def row_cuts(
         else:
             # None: the whole row's mass, read off the radix's first round.
             mass = None if floor is None else kept_mass(weights, floor)
-            cut_p = top_p_cut(weights, controls.top_p, mass)
+            cut_p = top_p_cut(weights, controls.top_p, mass, peak, maxima, vocab)
         cut = cut_p if cut is None else torch.maximum(cut, cut_p)
     if cut_min is not None:
         cut = cut_min if cut is None else torch.maximum(cut, cut_min)

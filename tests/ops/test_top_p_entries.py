@@ -1,0 +1,167 @@
+"""Top-p's cut from the entries above an estimated bound (``fastsample/ops/top_p_entries.py``):
+the radix's cut, proven or declined, and the general path's draws bitwise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastsample as fs
+import fastsample.ops.top_p_entries as entries
+from fastsample.ops.select import block_maxima, descending_threshold
+from reference import reference_threshold
+
+
+def _weights(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    best = logits.float().amax(-1, keepdim=True)
+    return ((logits.float() - best) / temperature).exp()
+
+
+def _rows(seed: int, batch: int, vocab: int, scale: float, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, vocab, generator=gen) * scale).to(dtype)
+
+
+def _near_boundary(row: np.ndarray, target: float) -> bool:
+    """The target sits within float32 summation rounding of a cumulative mass."""
+    ranked = np.sort(row)[::-1]
+    return bool(np.min(np.abs(np.cumsum(ranked) - target)) < 1e-6 * ranked.sum())
+
+
+def _exact_cut_check(weights: torch.Tensor, top_p: torch.Tensor, got: torch.Tensor) -> int:
+    """Asserts each row's cut is the float64 sort's (either neighbour where the target is
+    within rounding of a cumulative mass); returns the rows checked strictly."""
+    strict = 0
+    for r in range(weights.shape[0]):
+        row = weights[r].double().numpy()
+        target = float(top_p[r]) * row.sum()
+        want = reference_threshold(row, target, "mass")
+        if _near_boundary(row, target):
+            continue
+        strict += 1
+        assert float(got[r]) == want, (r, float(got[r]), want)
+    return strict
+
+
+# (scale, T, top_p): smooth rows with sets of 1-12% of the row, a peaked one (scale 8: a
+# few tokens, held by the block-maxima floor), small and large top_p.
+SETTINGS = [(3.0, 0.8, 0.9), (3.0, 1.0, 0.95), (2.0, 0.7, 0.5), (8.0, 1.0, 0.9), (3.0, 0.8, 0.99)]
+
+
+@pytest.mark.parametrize("scale,temperature,top_p", SETTINGS)
+@pytest.mark.parametrize("vocab", [32000, 50001])
+def test_cut_is_the_exact_threshold(scale, temperature, top_p, vocab):
+    logits = _rows(1, 16, vocab, scale)
+    weights = _weights(logits, temperature)
+    p = torch.full((16,), top_p, dtype=torch.float64)
+    got = entries.top_p_cut(weights, torch.ones(16), p, block_maxima(logits), vocab)
+    assert got is not None  # the estimate held on every row of these settings
+    assert _exact_cut_check(weights, p, got) >= 4  # rows away from a boundary
+    radix = descending_threshold(weights.contiguous(), p, "share")
+    assert torch.equal(got, radix)  # (no row of these seeds sits within rounding)
+
+
+def test_padding_columns_and_probabilities_order():
+    """An odd vocabulary in the general path's even-width buffer (a 0 column), and block
+    maxima of another input that orders like the weights (probabilities)."""
+    vocab = 40001
+    logits = _rows(2, 8, vocab, 3.0)
+    probs = torch.softmax(logits, -1)
+    buffer = torch.zeros(8, vocab + 1)
+    buffer[:, :vocab] = _weights(logits, 1.0)
+    p = torch.linspace(0.3, 0.97, 8, dtype=torch.float64)
+    got = entries.top_p_cut(buffer, torch.ones(8), p, block_maxima(probs), vocab)
+    assert got is not None
+    assert _exact_cut_check(buffer[:, :vocab], p, got) >= 4
+    none_given = entries.top_p_cut(buffer, torch.ones(8), p, None, vocab)
+    assert torch.equal(got, none_given)
+
+
+def test_the_proof_declines_a_bound_that_misses(monkeypatch):
+    """A bound estimated far too high (the margin inflated) leaves part of top-p's set out of
+    the table: the proof declines (None) rather than give the table's cut.
+
+    Negative control: without the proof, the table's cut is returned and differs from the
+    exact one in most rows (so this test would catch a proof that lets such a cut through).
+    """
+    logits = _rows(3, 16, 32000, 3.0)
+    weights = _weights(logits, 0.8)
+    p = torch.full((16,), 0.9, dtype=torch.float64)
+    maxima = block_maxima(logits)
+    monkeypatch.setattr(entries, "_MARGIN", 50.0)  # leave out up to 50x (1 - p) Z
+    monkeypatch.setattr(entries, "_FLOOR_BLOCKS", 1)  # and no floor from the block maxima
+    assert entries.top_p_cut(weights, torch.ones(16), p, maxima, 32000) is None
+
+    # The control: the same call with the proof read as holding.
+    real_all = torch.Tensor.all
+    monkeypatch.setattr(torch.Tensor, "all", lambda self, *a, **k: torch.tensor(True))
+    wrong = entries.top_p_cut(weights, torch.ones(16), p, maxima, 32000)
+    monkeypatch.setattr(torch.Tensor, "all", real_all)
+    exact = descending_threshold(weights, p, "share")
+    assert wrong is not None and int((wrong != exact).sum()) >= 8
+
+
+def test_flat_rows_are_left_to_the_radix():
+    """A set past a quarter of the row (flat rows, high temperature): no table."""
+    logits = _rows(4, 4, 32000, 0.5)
+    weights = _weights(logits, 2.0)
+    p = torch.full((4,), 0.9, dtype=torch.float64)
+    assert entries.top_p_cut(weights, torch.ones(4), p, block_maxima(logits), 32000) is None
+
+
+def test_nan_rows_decline_without_error():
+    logits = _rows(5, 4, 32000, 3.0)
+    logits[1, 7] = float("nan")
+    weights = _weights(logits, 1.0)
+    p = torch.full((4,), 0.9, dtype=torch.float64)
+    assert entries.top_p_cut(weights, torch.ones(4), p, block_maxima(logits), 32000) is None
+
+
+def _without_entries(monkeypatch):
+    monkeypatch.setattr(entries, "top_p_cut", lambda *args, **kwargs: None)
+
+
+CALLS = [
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=1.0, top_p=0.95, min_p=0.001),
+    dict(temperature=0.7, top_p=0.5, cut_order="joint"),
+    dict(temperature=0.8, top_p=torch.tensor([0.9, 1.0, 0.5, 0.95, 0.8, 0.9])),  # one off
+    dict(temperature=torch.tensor([0.8, 1.0, 0.5, 1.2, 0.9, 0.7]), top_p=0.9, num_samples=3),
+    dict(temperature=0.8, top_p=0.9, top_logprobs=4),
+]
+
+
+@pytest.mark.parametrize("call", range(len(CALLS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draws_are_the_general_paths_bitwise(call, dtype, monkeypatch):
+    kwargs = CALLS[call]
+    logits = _rows(6 + call, 6, 50001, 3.0, dtype)
+    seen = []
+    real = entries.top_p_cut
+
+    def counted(*args, **kw):
+        got = real(*args, **kw)
+        seen.append(got is not None)
+        return got
+
+    monkeypatch.setattr(entries, "top_p_cut", counted)
+    ours = fs.sample(logits, seed=torch.arange(6), step=3, **kwargs)
+    assert seen and all(seen)  # the table served the call
+    _without_entries(monkeypatch)
+    radix = fs.sample(logits, seed=torch.arange(6), step=3, **kwargs)
+    for name in ("token_ids", "probs", "logprobs", "valid"):
+        assert torch.equal(getattr(ours, name), getattr(radix, name)), name
+    if kwargs.get("top_logprobs"):
+        assert torch.equal(ours.top_token_ids, radix.top_token_ids)
+        assert torch.equal(ours.top_logprobs, radix.top_logprobs)
+
+
+def test_probabilities_and_process_match_the_radix(monkeypatch):
+    probs = torch.softmax(_rows(9, 5, 40000, 3.0), -1)
+    ours = fs.process(probs=probs, temperature=0.9, top_p=0.9)
+    drawn = fs.sample(probs=probs, temperature=0.9, top_p=0.9, seed=torch.arange(5), step=0)
+    _without_entries(monkeypatch)
+    assert torch.equal(ours, fs.process(probs=probs, temperature=0.9, top_p=0.9))
+    again = fs.sample(probs=probs, temperature=0.9, top_p=0.9, seed=torch.arange(5), step=0)
+    assert torch.equal(drawn.token_ids, again.token_ids)
