@@ -118,6 +118,20 @@ def test_nan_rows_decline_without_error():
     assert entries.top_p_cut(weights, torch.ones(4), p, block_maxima(logits), 32000) is None
 
 
+def _served(monkeypatch) -> list:
+    """Records, per call of the cut, whether the table served it (True) or declined."""
+    seen: list = []
+    real = entries.top_p_cut
+
+    def counted(*args, **kwargs):
+        got = real(*args, **kwargs)
+        seen.append(got is not None)
+        return got
+
+    monkeypatch.setattr(entries, "top_p_cut", counted)
+    return seen
+
+
 def _without_entries(monkeypatch):
     monkeypatch.setattr(entries, "top_p_cut", lambda *args, **kwargs: None)
 
@@ -137,15 +151,7 @@ CALLS = [
 def test_draws_are_the_general_paths_bitwise(call, dtype, monkeypatch):
     kwargs = CALLS[call]
     logits = _rows(6 + call, 6, 50001, 3.0, dtype)
-    seen = []
-    real = entries.top_p_cut
-
-    def counted(*args, **kw):
-        got = real(*args, **kw)
-        seen.append(got is not None)
-        return got
-
-    monkeypatch.setattr(entries, "top_p_cut", counted)
+    seen = _served(monkeypatch)
     ours = fs.sample(logits, seed=torch.arange(6), step=3, **kwargs)
     assert seen and all(seen)  # the table served the call
     _without_entries(monkeypatch)
@@ -165,3 +171,47 @@ def test_probabilities_and_process_match_the_radix(monkeypatch):
     assert torch.equal(ours, fs.process(probs=probs, temperature=0.9, top_p=0.9))
     again = fs.sample(probs=probs, temperature=0.9, top_p=0.9, seed=torch.arange(5), step=0)
     assert torch.equal(drawn.token_ids, again.token_ids)
+
+
+def test_min_p_floor_settles_the_rows_it_binds():
+    """With min-p's cut as the floor, the table reaches no lower than it; rows whose top-p
+    cut lies below it get the floor, and ``max(cut, floor)`` is the radix's in every row.
+    Control: the same table without the floor rule is declined (its mass falls short)."""
+    logits = _rows(10, 16, 32000, 3.0)
+    weights = _weights(logits, 0.8)
+    p = torch.full((16,), 0.9, dtype=torch.float64)
+    floor = torch.full((16,), 0.05)
+    floor[:4] = 1e-6  # rows where top-p binds
+    maxima = block_maxima(logits)
+    got = entries.top_p_cut(weights, torch.ones(16), p, maxima, 32000, floor)
+    assert got is not None
+    radix = descending_threshold(weights, p, "share")
+    assert torch.equal(torch.maximum(got, floor), torch.maximum(radix, floor))
+    assert torch.equal(got[:4], radix[:4]) and torch.equal(got[4:], floor[4:])
+    # Control: a bound raised to the floor alone (no floor rule) cannot be proven.
+    real = entries._bound
+    raised = lambda *args: (torch.maximum(real(*args)[0], floor), 0.001)  # noqa: E731
+    entries._bound = raised
+    try:
+        assert entries.top_p_cut(weights, torch.ones(16), p, maxima, 32000) is None
+    finally:
+        entries._bound = real
+
+
+@pytest.mark.parametrize("order", ["transformers", "joint"])
+def test_min_p_on_the_general_path_is_the_radixs(order, monkeypatch):
+    """T + top-p + min-p where the min-p candidates decline (many survivors): the general
+    path with the floor, bitwise the radix's draws."""
+    import fastsample.ops.small_top_k as small_top_k
+
+    monkeypatch.setattr(small_top_k, "min_p_candidates", lambda *args: None)
+    logits = _rows(11, 6, 50001, 3.0)
+    min_p = torch.tensor([0.05, 1e-5, 0.2, 0.0, 0.1, 0.01])
+    kwargs = dict(temperature=0.8, top_p=0.9, min_p=min_p)
+    seen = _served(monkeypatch)
+    ours = fs.sample(logits, seed=torch.arange(6), step=1, cut_order=order, **kwargs)
+    assert seen == [True]
+    _without_entries(monkeypatch)
+    radix = fs.sample(logits, seed=torch.arange(6), step=1, cut_order=order, **kwargs)
+    for name in ("token_ids", "probs", "logprobs", "valid"):
+        assert torch.equal(getattr(ours, name), getattr(radix, name)), name

@@ -33,12 +33,15 @@ def top_p_cut(
     peak: Tensor | None = None,
     maxima: Tensor | None = None,
     vocab: int | None = None,
+    floor: Tensor | None = None,
 ) -> Tensor:
     """Top-p threshold on ``weights`` by radix selection: ``top_p`` of ``mass`` (the top-k
     survivors' mass), or of the whole row's if None. For the whole row on CPU in eager mode,
     given ``peak`` (each row's largest weight), the same cut from the entries above an
     estimated bound where that can be shown to hold (:mod:`.top_p_entries`; ``maxima``: the
-    input's block maxima if known, ``vocab``: the row's entries before any padding)."""
+    input's block maxima if known, ``vocab``: the row's entries before any padding,
+    ``floor``: min-p's cut, which the caller applies after; where top-p's cut lies below it
+    the result may be ``floor`` instead)."""
     rows = torch.empty(weights.shape[0], dtype=torch.float64, device=weights.device)
     p = as_rows(top_p, rows.shape[0], rows)
     cut = None
@@ -46,7 +49,7 @@ def top_p_cut(
         # Rows with top-p off (or invalid) get 0 below whatever their cut: any share serves.
         share = torch.where((p > 0) & (p < 1), p, 0.5)
         cut = top_p_entries.top_p_cut(
-            weights, peak, share, maxima, weights.shape[1] if vocab is None else vocab
+            weights, peak, share, maxima, weights.shape[1] if vocab is None else vocab, floor
         )
     if cut is None and mass is None:
         cut = descending_threshold(weights, p, "share")
@@ -202,7 +205,7 @@ def row_cuts(
         else:
             # None: the whole row's mass, read off the radix's first round.
             mass = None if floor is None else kept_mass(weights, floor)
-            cut_p = top_p_cut(weights, controls.top_p, mass, peak, maxima, vocab)
+            cut_p = top_p_cut(weights, controls.top_p, mass, peak, maxima, vocab, cut_min)
         cut = cut_p if cut is None else torch.maximum(cut, cut_p)
     if cut_min is not None:
         cut = cut_min if cut is None else torch.maximum(cut, cut_min)

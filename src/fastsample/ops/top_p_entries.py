@@ -83,7 +83,12 @@ def applies(weights: Tensor) -> bool:
 
 
 def top_p_cut(
-    weights: Tensor, peak: Tensor, top_p: Tensor, maxima: Tensor | None, vocab: int
+    weights: Tensor,
+    peak: Tensor,
+    top_p: Tensor,
+    maxima: Tensor | None,
+    vocab: int,
+    floor: Tensor | None = None,
 ) -> Tensor | None:
     """``(B,)`` top-p threshold on the whole row's mass: the largest ``t`` whose upper set
     holds ``top_p`` of the row's mass, as :func:`~fastsample.ops.select.descending_threshold`
@@ -98,11 +103,15 @@ def top_p_cut(
         maxima: ``(B, blocks)`` block maxima of an input that orders like ``weights`` (the
             logits or probabilities), or None (those of ``weights`` are taken).
         vocab: ``V``, the row's entries (``W - V`` padding columns).
+        floor: ``(B,)`` a cut the caller applies after (min-p's), or None: where top-p's cut
+            lies below it, only that matters (``max(cut, floor)`` is ``floor`` either way),
+            so the table need not go lower, and a row whose entries at or above it fall
+            short of the target gets ``floor`` itself.
     """
     if maxima is None:
         maxima = block_maxima(weights[:, :vocab])
     mass = block_sums(weights).sum(-1)
-    bound = _bound(weights, peak, (1 - top_p) * mass, maxima, vocab)
+    bound = _bound(weights, peak, (1 - top_p) * mass, maxima, vocab, floor)
     if bound is None:
         return None
     w_lo, share = bound
@@ -111,15 +120,27 @@ def top_p_cut(
     cut = _table_cut(table, target)
     # The proof (one host read): the table's mass reaches the target, and its cut lies above
     # every entry outside (each weighs less than w_lo), so the two selections agree.
-    holds = (table.sum(-1, dtype=torch.float64) >= target) & (cut >= w_lo)
+    reaches = table.sum(-1, dtype=torch.float64) >= target
+    holds = reaches & (cut >= w_lo)
+    if floor is not None:
+        # A table of every entry >= floor short of the target: top-p's cut is below floor.
+        below = ~reaches & (w_lo == floor)
+        holds |= below
+        cut = torch.where(below, floor, cut)
     return cut if bool(holds.all()) else None
 
 
 def _bound(
-    weights: Tensor, peak: Tensor, left_out: Tensor, maxima: Tensor, vocab: int
+    weights: Tensor,
+    peak: Tensor,
+    left_out: Tensor,
+    maxima: Tensor,
+    vocab: int,
+    floor: Tensor | None,
 ) -> tuple[Tensor, float] | None:
-    """``(B,)`` float32 ``w_lo`` (module docstring, step 2) and the largest share of a row
-    the sample expects in the table; None where that is more than :data:`_MAX_SHARE`."""
+    """``(B,)`` float32 ``w_lo`` (module docstring, step 2; at least ``floor``) and the
+    largest share of a row the sample expects in the table; None where that is more than
+    :data:`_MAX_SHARE`."""
     batch, width = weights.shape
     # Runs of _RUN entries every _STRIDE * _RUN columns: a sixteenth of the row's cache lines
     # (a stride of 16 floats would touch every line), spread over the whole vocabulary.
@@ -144,6 +165,8 @@ def _bound(
     block = nth.indices.gather(1, nth.values.argmin(-1, keepdim=True))
     columns = (block * BLOCK + torch.arange(BLOCK, device=weights.device)).clamp_max_(vocab - 1)
     low = torch.minimum(low, weights.gather(1, columns).amax(-1, keepdim=True))
+    if floor is not None:
+        low = torch.maximum(low, floor[:, None])
     # The share of the row expected in the table, from the sample.
     share = float((sample >= low).sum(-1).max()) / sample.shape[1]
     return None if share > _MAX_SHARE else (low.squeeze(1), share)
