@@ -215,3 +215,16 @@ def test_min_p_on_the_general_path_is_the_radixs(order, monkeypatch):
     radix = fs.sample(logits, seed=torch.arange(6), step=1, cut_order=order, **kwargs)
     for name in ("token_ids", "probs", "logprobs", "valid"):
         assert torch.equal(getattr(ours, name), getattr(radix, name)), name
+
+
+def test_masked_and_integer_rows_match_the_radix(monkeypatch):
+    """Rows mostly masked (-inf logits, as a grammar leaves them) and integer logits (ties
+    everywhere): the cut, served or declined, gives the radix's draws."""
+    logits = _rows(12, 6, 40000, 3.0)
+    logits[:2, 200:] = float("-inf")  # 200 tokens allowed
+    logits[2:4] = logits[2:4].round()  # ties at every weight
+    ours = fs.sample(logits, temperature=0.9, top_p=0.8, seed=torch.arange(6), step=2)
+    _without_entries(monkeypatch)
+    radix = fs.sample(logits, temperature=0.9, top_p=0.8, seed=torch.arange(6), step=2)
+    for name in ("token_ids", "probs", "logprobs", "valid"):
+        assert torch.equal(getattr(ours, name), getattr(radix, name)), name

@@ -36,6 +36,9 @@ lies within float32 rounding (~1e-7 relative) of a cumulative mass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -72,11 +75,15 @@ _SORT_ENTRIES = 1 << 14
 def applies(weights: Tensor) -> bool:
     """Whether :func:`top_p_cut` may serve these weights: float32, on CPU in eager mode (the
     proof and the table's width are host reads), rows of :data:`_MIN_VOCAB` or more."""
+    return weights.dtype == torch.float32 and weights.is_contiguous() and _eager_rows(weights)
+
+
+def _eager_rows(rows: Tensor) -> bool:
+    """CPU, eager mode (not compiling or tracing), a batch, rows of :data:`_MIN_VOCAB` or more."""
     return (
-        weights.device.type == "cpu"
-        and weights.dtype == torch.float32
-        and weights.shape[0] > 0
-        and weights.shape[1] >= _MIN_VOCAB
+        rows.device.type == "cpu"
+        and rows.shape[0] > 0
+        and rows.shape[1] >= _MIN_VOCAB
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
     )
@@ -111,15 +118,31 @@ def top_p_cut(
     if maxima is None:
         maxima = block_maxima(weights[:, :vocab])
     mass = block_sums(weights).sum(-1)
-    bound = _bound(weights, peak, (1 - top_p) * mass, maxima, vocab, floor)
+    sample = _sample(weights, vocab)
+    # Log-weights below the maximum (-inf for 0: the last bucket); NaN rows fail the proof.
+    log_weights = sample.div(peak[:, None]).log_()
+    # The _FLOOR_BLOCKS-th largest block maximum's weight: that block's largest weight (the
+    # weights are monotone in the input).
+    block = _nth_largest_block(maxima)
+    columns = (block * BLOCK + torch.arange(BLOCK, device=weights.device)).clamp_max_(vocab - 1)
+    highest = weights.gather(1, columns).amax(-1)
+    bound = _bound(log_weights, sample, peak, (1 - top_p) * mass, highest, floor, vocab)
     if bound is None:
         return None
     w_lo, share = bound
-    table = _table(weights, w_lo, vocab, sparse=share * _SLICES < _SPARSE_SHARE)
-    target = top_p * mass
+    if share * _SLICES < _SPARSE_SHARE:
+        side = _side_maxima(weights, vocab)
+        table = _sparse_table(weights, w_lo, vocab, side, lambda r, c: _at(r, c, weights))
+    else:
+        table = _dense_table(weights, w_lo)
+    return _proven_cut(table.weights, top_p * mass, w_lo, floor)
+
+
+def _proven_cut(table: Tensor, target: Tensor, w_lo: Tensor, floor: Tensor | None) -> Tensor | None:
+    """Top-p's cut from the table (:func:`_table_cut`) where the proof holds in every row (one
+    host read: the table's mass reaches the target, and its cut lies above every entry
+    outside, each of which weighs less than ``w_lo``), else None."""
     cut = _table_cut(table, target)
-    # The proof (one host read): the table's mass reaches the target, and its cut lies above
-    # every entry outside (each weighs less than w_lo), so the two selections agree.
     reaches = table.sum(-1, dtype=torch.float64) >= target
     holds = reaches & (cut >= w_lo)
     if floor is not None:
@@ -130,45 +153,53 @@ def top_p_cut(
     return cut if bool(holds.all()) else None
 
 
+def _sample(rows: Tensor, vocab: int) -> Tensor:
+    """``(B, n)`` copy of one entry in :data:`_STRIDE` of each row, in runs of :data:`_RUN`:
+    a sixteenth of the row's cache lines (a stride of 16 floats would touch every line),
+    spread over the whole vocabulary."""
+    batch = rows.shape[0]
+    runs = max(vocab // (_STRIDE * _RUN), 1)
+    run = min(_RUN, vocab)
+    view = rows.as_strided((batch, runs, run), (rows.stride(0), _STRIDE * _RUN, 1))
+    return view.reshape(batch, runs * run)
+
+
+def _nth_largest_block(maxima: Tensor) -> Tensor:
+    """``(B, 1)`` the block with the :data:`_FLOOR_BLOCKS`-th largest maximum."""
+    nth = torch.topk(maxima, min(_FLOOR_BLOCKS, maxima.shape[1]), dim=1, sorted=False)
+    return nth.indices.gather(1, nth.values.argmin(-1, keepdim=True))
+
+
 def _bound(
-    weights: Tensor,
+    log_weights: Tensor,
+    sample: Tensor,
     peak: Tensor,
     left_out: Tensor,
-    maxima: Tensor,
-    vocab: int,
+    highest: Tensor,
     floor: Tensor | None,
+    vocab: int,
 ) -> tuple[Tensor, float] | None:
-    """``(B,)`` float32 ``w_lo`` (module docstring, step 2; at least ``floor``) and the
-    largest share of a row the sample expects in the table; None where that is more than
-    :data:`_MAX_SHARE`."""
-    batch, width = weights.shape
-    # Runs of _RUN entries every _STRIDE * _RUN columns: a sixteenth of the row's cache lines
-    # (a stride of 16 floats would touch every line), spread over the whole vocabulary.
-    runs = vocab // (_STRIDE * _RUN)
-    sample = weights.as_strided((batch, runs, _RUN), (width, _STRIDE * _RUN, 1))
-    sample = sample.reshape(batch, runs * _RUN)
-    # Log-weights below the maximum (-inf for 0: the last bucket); NaN rows fail the proof.
-    scaled = sample.div(peak[:, None]).log_()
-    buckets = scaled.div(-_BUCKET).nan_to_num_(0.0).clamp_(0, _BUCKETS - 1).to(torch.int64)
-    hist = torch.zeros(batch, _BUCKETS, dtype=torch.float32, device=weights.device)
-    hist.scatter_add_(1, buckets, sample)
+    """``(B,)`` float32 ``w_lo`` (module docstring, step 2) and the largest share of a row
+    the sample expects in the table; None where that is more than :data:`_MAX_SHARE`.
+
+    ``sample`` (``(B, n)`` weights, one in :data:`_STRIDE` of the row) and their
+    ``log_weights`` below the row's maximum ``peak``; ``left_out`` ``(B,)`` float64;
+    ``highest``: ``w_lo`` goes no higher; ``floor``: nor lower."""
+    batch, count = sample.shape
+    buckets = log_weights.div(-_BUCKET).nan_to_num_(0.0).clamp_(0, _BUCKETS - 1)
+    hist = torch.zeros(batch, _BUCKETS, dtype=torch.float32, device=sample.device)
+    hist.scatter_add_(1, buckets.to(torch.int64), sample)
     hist = hist.to(torch.float64)
     # The sample's mass under each bucket's lower edge, scaled to the row.
-    under = hist.flip(-1).cumsum(-1).flip(-1).sub_(hist).mul_(vocab / sample.shape[1])
+    under = hist.flip(-1).cumsum(-1).flip(-1).sub_(hist).mul_(vocab / count)
     # The first edge leaving out less than the margin, then one bucket lower.
     edge = (under > (left_out * _MARGIN)[:, None]).sum(-1, keepdim=True) + 2
     low = peak[:, None] * edge.to(torch.float32).mul_(-_BUCKET).exp_()
-    # No higher than the weight of the _FLOOR_BLOCKS-th largest block maximum (weights are
-    # monotone in the input, so that block's largest weight is it).
-    blocks = maxima.shape[1]
-    nth = torch.topk(maxima, min(_FLOOR_BLOCKS, blocks), dim=1, sorted=False)
-    block = nth.indices.gather(1, nth.values.argmin(-1, keepdim=True))
-    columns = (block * BLOCK + torch.arange(BLOCK, device=weights.device)).clamp_max_(vocab - 1)
-    low = torch.minimum(low, weights.gather(1, columns).amax(-1, keepdim=True))
+    low = torch.minimum(low, highest[:, None])
     if floor is not None:
         low = torch.maximum(low, floor[:, None])
     # The share of the row expected in the table, from the sample.
-    share = float((sample >= low).sum(-1).max()) / sample.shape[1]
+    share = float((sample >= low).sum(-1).max()) / count
     return None if share > _MAX_SHARE else (low.squeeze(1), share)
 
 
@@ -185,36 +216,76 @@ def _table_cut(table: Tensor, target: Tensor) -> Tensor:
     return ranked.gather(1, short.clamp_max_(table.shape[1] - 1)).squeeze(1)
 
 
-def _table(weights: Tensor, w_lo: Tensor, vocab: int, sparse: bool) -> Tensor:
-    """``(B, L)`` float32: each row's weights ``>= w_lo`` (any order), then zeros (at least
-    one a row). ``sparse`` (few entries reach ``w_lo``): the row is read as :data:`_SLICES`
-    slices side by side, and only the columns whose maximum over the slices reaches ``w_lo``
-    are compared entry by entry (``nonzero`` over a sixteenth of the row, then over the picked
-    columns: ~2x cheaper than over every entry)."""
-    batch, width = weights.shape
-    device = weights.device
-    span = vocab // _SLICES if sparse else 0
-    if span:
-        side = weights.as_strided((batch, _SLICES, span), (width, span, 1)).amax(1)
-        rows, columns = (side >= w_lo[:, None]).nonzero(as_tuple=True)
-        # Column c of the side-by-side view is entry c + s * span of the row, s < _SLICES.
-        offsets = torch.arange(0, _SLICES * span, span, device=device)
-        flat = columns.add_(rows * width)[:, None] + offsets
-        values = weights.view(-1).gather(0, flat.view(-1)).view(-1, _SLICES)
-        picked, slot = (values >= w_lo.gather(0, rows)[:, None]).nonzero(as_tuple=True)
-        rows, values = rows.gather(0, picked), values[picked, slot]
-        tail = weights[:, _SLICES * span : vocab]  # the last few columns, as they are
-    else:
-        rows, columns = (weights >= w_lo[:, None]).nonzero(as_tuple=True)
-        values = weights.view(-1).gather(0, columns.add_(rows * width))
-        tail = weights[:, :0]
+class Table(NamedTuple):
+    """Each row's entries at or above a bound, then zeros (at least one a row)."""
+
+    weights: Tensor  # (B, L) float32
+    ids: Tensor  # (B, L) int64 columns (0 past a row's entries)
+
+
+def _side_maxima(weights: Tensor, vocab: int) -> Tensor:
+    """``(B, vocab // _SLICES)``: column ``c``'s maximum over the row's entries ``c + s *
+    span`` (``s < _SLICES``), the row cut into :data:`_SLICES` slices laid side by side."""
+    batch = weights.shape[0]
+    span = vocab // _SLICES
+    return weights.as_strided((batch, _SLICES, span), (weights.stride(0), span, 1)).amax(1)
+
+
+def _at(rows: Tensor, columns: Tensor, values: Tensor) -> Tensor:
+    """``values[rows[i], columns[i, j]]`` (``columns`` ``(n, k)``) by one flat gather."""
+    flat = columns + (rows * values.stride(0))[:, None]
+    return values.reshape(-1).gather(0, flat.view(-1)).view(flat.shape)
+
+
+def _sparse_table(
+    source: Tensor,
+    w_lo: Tensor,
+    vocab: int,
+    side: Tensor,
+    weigh: Callable[[Tensor, Tensor], Tensor],
+) -> Table:
+    """The entries weighing ``>= w_lo`` from the side-by-side columns whose maximum reaches
+    it (``side``, :func:`_side_maxima`'s): a ``nonzero`` over a quarter of the row, then over
+    the picked columns' entries (2x cheaper than over every entry). ``weigh(rows, columns)``
+    gives the weights at ``(n,)`` rows and ``(n, k)`` columns."""
+    batch = side.shape[0]
+    device = side.device
+    span = side.shape[1]
+    rows, columns = (side >= w_lo[:, None]).nonzero(as_tuple=True)
+    # Column c of the side-by-side view is entry c + s * span of the row, s < _SLICES.
+    picked = columns[:, None] + torch.arange(0, _SLICES * span, span, device=device)
+    values = weigh(rows, picked)
+    hit, slot = (values >= w_lo.gather(0, rows)[:, None]).nonzero(as_tuple=True)
+    rows, values, ids = rows.gather(0, hit), values[hit, slot], picked[hit, slot]
+    table = _laid_out(rows, values, ids, batch)
+    tail = _SLICES * span  # the last few columns, as they are
+    if tail < vocab:
+        last = torch.arange(tail, vocab, device=device).expand(batch, -1)
+        weights = weigh(torch.arange(batch, device=device), last)
+        kept = torch.where(weights >= w_lo[:, None], weights, 0.0)  # the rest weigh 0 here
+        table = Table(torch.cat((table.weights, kept), 1), torch.cat((table.ids, last), 1))
+    return table
+
+
+def _dense_table(weights: Tensor, w_lo: Tensor) -> Table:
+    """The entries ``>= w_lo`` by one compare and ``nonzero`` over every entry."""
+    rows, columns = (weights >= w_lo[:, None]).nonzero(as_tuple=True)
+    values = weights.view(-1).gather(0, columns + rows * weights.stride(0))
+    return _laid_out(rows, values, columns, weights.shape[0])
+
+
+def _laid_out(rows: Tensor, values: Tensor, ids: Tensor, batch: int) -> Table:
+    """A :class:`Table` from entries given row by row (``rows`` ascending)."""
+    device = values.device
     per_row = torch.bincount(rows, minlength=batch)
     wide = int(per_row.max()) + 1
     first = per_row.cumsum(0).sub_(per_row)
     place = torch.arange(rows.shape[0], device=device).sub_(first.gather(0, rows))
     place = place.add_(rows.mul(wide))
     table = torch.zeros(batch * wide, dtype=torch.float32, device=device)
-    table = table.scatter_(0, place, values).view(batch, wide)
-    if tail.shape[1]:  # those below w_lo weigh 0 here
-        table = torch.cat((table, torch.where(tail >= w_lo[:, None], tail, 0.0)), dim=1)
-    return table
+    columns = torch.zeros(batch * wide, dtype=torch.int64, device=device)
+    return Table(
+        table.scatter_(0, place, values).view(batch, wide),
+        columns.scatter_(0, place, ids).view(batch, wide),
+    )
+
