@@ -13,6 +13,14 @@ from fastsample.ops.select import block_maxima, descending_threshold
 from reference import reference_threshold
 
 
+@pytest.fixture
+def any_share(monkeypatch):
+    """Tables of any share of the row (by default past 3% the radix is cheaper and serves the
+    call): the cut's numbers do not depend on that cap, so these tests use every setting."""
+    monkeypatch.setattr(entries, "_MAX_SHARE", 1.0)
+    monkeypatch.setattr(entries, "_GATE_SHARE", 1.0)
+
+
 def _weights(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     best = logits.float().amax(-1, keepdim=True)
     return ((logits.float() - best) / temperature).exp()
@@ -51,7 +59,7 @@ SETTINGS = [(3.0, 0.8, 0.9), (3.0, 1.0, 0.95), (2.0, 0.7, 0.5), (8.0, 1.0, 0.9),
 
 @pytest.mark.parametrize("scale,temperature,top_p", SETTINGS)
 @pytest.mark.parametrize("vocab", [32000, 50001])
-def test_cut_is_the_exact_threshold(scale, temperature, top_p, vocab):
+def test_cut_is_the_exact_threshold(scale, temperature, top_p, vocab, any_share):
     logits = _rows(1, 16, vocab, scale)
     weights = _weights(logits, temperature)
     p = torch.full((16,), top_p, dtype=torch.float64)
@@ -62,7 +70,7 @@ def test_cut_is_the_exact_threshold(scale, temperature, top_p, vocab):
     assert torch.equal(got, radix)  # (no row of these seeds sits within rounding)
 
 
-def test_padding_columns_and_probabilities_order():
+def test_padding_columns_and_probabilities_order(any_share):
     """An odd vocabulary in the general path's even-width buffer (a 0 column), and block
     maxima of another input that orders like the weights (probabilities)."""
     vocab = 40001
@@ -78,7 +86,7 @@ def test_padding_columns_and_probabilities_order():
     assert torch.equal(got, none_given)
 
 
-def test_the_proof_declines_a_bound_that_misses(monkeypatch):
+def test_the_proof_declines_a_bound_that_misses(monkeypatch, any_share):
     """A bound estimated far too high (the margin inflated) leaves part of top-p's set out of
     the table: the proof declines (None) rather than give the table's cut.
 
@@ -102,12 +110,23 @@ def test_the_proof_declines_a_bound_that_misses(monkeypatch):
     assert wrong is not None and int((wrong != exact).sum()) >= 8
 
 
-def test_flat_rows_are_left_to_the_radix():
-    """A set past a quarter of the row (flat rows, high temperature): no table."""
-    logits = _rows(4, 4, 32000, 0.5)
-    weights = _weights(logits, 2.0)
-    p = torch.full((4,), 0.9, dtype=torch.float64)
-    assert entries.top_p_cut(weights, torch.ones(4), p, block_maxima(logits), 32000) is None
+@pytest.mark.parametrize(
+    "scale,temperature,declines,summed",
+    [(0.5, 2.0, True, False), (3.0, 1.0, True, True), (3.0, 0.8, False, True)],
+)
+def test_large_sets_are_left_to_the_radix(scale, temperature, declines, summed, monkeypatch):
+    """Sets past 3% of the row (flat rows, high temperatures: ~9% at T=1 on N(0, 3^2)) go to
+    the radix, cheaper there; ~1.4% at T=0.8 takes the table. A flat row's set, past 12% by
+    the first look, declines before the row's mass is summed."""
+    logits = _rows(4, 8, 128256, scale)
+    weights = _weights(logits, temperature)
+    p = torch.full((8,), 0.9, dtype=torch.float64)
+    sums = []
+    real = entries.block_sums
+    monkeypatch.setattr(entries, "block_sums", lambda w: sums.append(1) or real(w))
+    got = entries.top_p_cut(weights, torch.ones(8), p, block_maxima(logits), 128256)
+    assert (got is None) == declines
+    assert sums == ([1] if summed else [])
 
 
 def test_nan_rows_decline_without_error():
@@ -148,7 +167,7 @@ CALLS = [
 
 @pytest.mark.parametrize("call", range(len(CALLS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_draws_are_the_general_paths_bitwise(call, dtype, monkeypatch):
+def test_draws_are_the_general_paths_bitwise(call, dtype, monkeypatch, any_share):
     kwargs = CALLS[call]
     logits = _rows(6 + call, 6, 50001, 3.0, dtype)
     seen = _served(monkeypatch)
@@ -163,7 +182,7 @@ def test_draws_are_the_general_paths_bitwise(call, dtype, monkeypatch):
         assert torch.equal(ours.top_logprobs, radix.top_logprobs)
 
 
-def test_probabilities_and_process_match_the_radix(monkeypatch):
+def test_probabilities_and_process_match_the_radix(monkeypatch, any_share):
     probs = torch.softmax(_rows(9, 5, 40000, 3.0), -1)
     ours = fs.process(probs=probs, temperature=0.9, top_p=0.9)
     drawn = fs.sample(probs=probs, temperature=0.9, top_p=0.9, seed=torch.arange(5), step=0)
@@ -173,7 +192,7 @@ def test_probabilities_and_process_match_the_radix(monkeypatch):
     assert torch.equal(drawn.token_ids, again.token_ids)
 
 
-def test_min_p_floor_settles_the_rows_it_binds():
+def test_min_p_floor_settles_the_rows_it_binds(any_share):
     """With min-p's cut as the floor, the table reaches no lower than it; rows whose top-p
     cut lies below it get the floor, and ``max(cut, floor)`` is the radix's in every row.
     Control: the same table without the floor rule is declined (its mass falls short)."""
@@ -199,7 +218,7 @@ def test_min_p_floor_settles_the_rows_it_binds():
 
 
 @pytest.mark.parametrize("order", ["transformers", "joint"])
-def test_min_p_on_the_general_path_is_the_radixs(order, monkeypatch):
+def test_min_p_on_the_general_path_is_the_radixs(order, monkeypatch, any_share):
     """T + top-p + min-p where the min-p candidates decline (many survivors): the general
     path with the floor, bitwise the radix's draws."""
     import fastsample.ops.small_top_k as small_top_k
@@ -217,7 +236,7 @@ def test_min_p_on_the_general_path_is_the_radixs(order, monkeypatch):
         assert torch.equal(getattr(ours, name), getattr(radix, name)), name
 
 
-def test_masked_and_integer_rows_match_the_radix(monkeypatch):
+def test_masked_and_integer_rows_match_the_radix(monkeypatch, any_share):
     """Rows mostly masked (-inf logits, as a grammar leaves them) and integer logits (ties
     everywhere): the cut, served or declined, gives the radix's draws."""
     logits = _rows(12, 6, 40000, 3.0)
