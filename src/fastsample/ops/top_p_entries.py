@@ -19,10 +19,10 @@ cost nothing, :func:`top_p_cut` finds the same cut from a small part of the row:
    few entries near the maximum can carry much of it). ``w_lo`` is also kept at or below the
    weight of the row's :data:`_FLOOR_BLOCKS`-th largest block maximum, so that a peaked row
    (a few heavy entries, which a sample estimates poorly) holds its few candidates;
-3. the entries ``>= w_lo`` (a compare and ``nonzero``: ~1.5-2x top-p's set on smooth rows)
-   in a ``(B, L)`` table, and the cut among them by the radix selection on that table
-   (:func:`~fastsample.ops.select.descending_threshold`, mass target ``top_p * Z``), or a
-   sort of a small table;
+3. the entries ``>= w_lo`` (a compare and ``nonzero`` over the weights: ~1.3-1.8x top-p's
+   set on smooth rows) in a ``(B, L)`` table, and the cut among them by the radix selection
+   on that table (:func:`~fastsample.ops.select.descending_threshold`, mass target
+   ``top_p * Z``), or a sort of a small table;
 4. a proof, read on the host, that the table holds top-p's set: its mass reaches the target
    and its cut lies above every entry outside it (those weigh less than ``w_lo``). Where it
    fails (an estimate that missed, NaN rows, a kept set past :data:`_MAX_SHARE` of the row)
@@ -35,9 +35,6 @@ lies within float32 rounding (~1e-7 relative) of a cumulative mass.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -68,11 +65,6 @@ _FLOOR_BLOCKS = 64
 # the 2-core Xeon: 1.27x faster at 2.3%, 1.10x at 3.3%, 0.91x at 4.9%, 0.57x at 8.6%).
 _MIN_VOCAB = 4096
 _MAX_SHARE = 0.03
-# The table's entries are looked for among the columns of the row cut into this many slices
-# side by side when the slices' maximum is expected to reach w_lo in under this share of the
-# columns (else every entry is compared).
-_SLICES = 4
-_SPARSE_SHARE = 0.5
 # Tables of at most this many entries are sorted rather than radix-selected (measured on the
 # 2-core Xeon: (1, 2,000) 0.05 ms sorted against 0.33; (8, 3,000) 0.59 against 0.54).
 _SORT_ENTRIES = 1 << 14
@@ -145,12 +137,7 @@ def top_p_cut(
     w_lo, share = _bound(under, sample, peak, (1 - top_p) * mass, highest, floor)
     if share > _MAX_SHARE:
         return None
-    if share * _SLICES < _SPARSE_SHARE:
-        side = _side_maxima(weights, vocab)
-        table = _sparse_table(weights, w_lo, vocab, side, lambda r, c: _at(r, c, weights))
-    else:
-        table = _dense_table(weights, w_lo)
-    return _proven_cut(table.weights, top_p * mass, w_lo, floor)
+    return _proven_cut(_table(weights, w_lo), top_p * mass, w_lo, floor)
 
 
 def _proven_cut(table: Tensor, target: Tensor, w_lo: Tensor, floor: Tensor | None) -> Tensor | None:
@@ -236,76 +223,16 @@ def _table_cut(table: Tensor, target: Tensor) -> Tensor:
     return ranked.gather(1, short.clamp_max_(table.shape[1] - 1)).squeeze(1)
 
 
-class Table(NamedTuple):
-    """Each row's entries at or above a bound, then zeros (at least one a row)."""
-
-    weights: Tensor  # (B, L) float32
-    ids: Tensor  # (B, L) int64 columns (0 past a row's entries)
-
-
-def _side_maxima(weights: Tensor, vocab: int) -> Tensor:
-    """``(B, vocab // _SLICES)``: column ``c``'s maximum over the row's entries ``c + s *
-    span`` (``s < _SLICES``), the row cut into :data:`_SLICES` slices laid side by side."""
+def _table(weights: Tensor, w_lo: Tensor) -> Tensor:
+    """``(B, L)`` float32: each row's weights ``>= w_lo`` (any order), then zeros (at least
+    one a row), by one compare and ``nonzero`` over the weights (the buffer the general path
+    has just written, still in cache: cheaper here than a first look at a coarser level)."""
     batch = weights.shape[0]
-    span = vocab // _SLICES
-    return weights.as_strided((batch, _SLICES, span), (weights.stride(0), span, 1)).amax(1)
-
-
-def _at(rows: Tensor, columns: Tensor, values: Tensor) -> Tensor:
-    """``values[rows[i], columns[i, j]]`` (``columns`` ``(n, k)``) by one flat gather."""
-    flat = columns + (rows * values.stride(0))[:, None]
-    return values.reshape(-1).gather(0, flat.view(-1)).view(flat.shape)
-
-
-def _sparse_table(
-    source: Tensor,
-    w_lo: Tensor,
-    vocab: int,
-    side: Tensor,
-    weigh: Callable[[Tensor, Tensor], Tensor],
-) -> Table:
-    """The entries weighing ``>= w_lo`` from the side-by-side columns whose maximum reaches
-    it (``side``, :func:`_side_maxima`'s): a ``nonzero`` over a quarter of the row, then over
-    the picked columns' entries (2x cheaper than over every entry). ``weigh(rows, columns)``
-    gives the weights at ``(n,)`` rows and ``(n, k)`` columns."""
-    batch = side.shape[0]
-    device = side.device
-    span = side.shape[1]
-    rows, columns = (side >= w_lo[:, None]).nonzero(as_tuple=True)
-    # Column c of the side-by-side view is entry c + s * span of the row, s < _SLICES.
-    picked = columns[:, None] + torch.arange(0, _SLICES * span, span, device=device)
-    values = weigh(rows, picked)
-    hit, slot = (values >= w_lo.gather(0, rows)[:, None]).nonzero(as_tuple=True)
-    rows, values, ids = rows.gather(0, hit), values[hit, slot], picked[hit, slot]
-    table = _laid_out(rows, values, ids, batch)
-    tail = _SLICES * span  # the last few columns, as they are
-    if tail < vocab:
-        last = torch.arange(tail, vocab, device=device).expand(batch, -1)
-        weights = weigh(torch.arange(batch, device=device), last)
-        kept = torch.where(weights >= w_lo[:, None], weights, 0.0)  # the rest weigh 0 here
-        table = Table(torch.cat((table.weights, kept), 1), torch.cat((table.ids, last), 1))
-    return table
-
-
-def _dense_table(weights: Tensor, w_lo: Tensor) -> Table:
-    """The entries ``>= w_lo`` by one compare and ``nonzero`` over every entry."""
     rows, columns = (weights >= w_lo[:, None]).nonzero(as_tuple=True)
-    values = weights.view(-1).gather(0, columns + rows * weights.stride(0))
-    return _laid_out(rows, values, columns, weights.shape[0])
-
-
-def _laid_out(rows: Tensor, values: Tensor, ids: Tensor, batch: int) -> Table:
-    """A :class:`Table` from entries given row by row (``rows`` ascending)."""
-    device = values.device
+    values = weights.view(-1).gather(0, columns.add_(rows * weights.stride(0)))
     per_row = torch.bincount(rows, minlength=batch)
     wide = int(per_row.max()) + 1
     first = per_row.cumsum(0).sub_(per_row)
-    place = torch.arange(rows.shape[0], device=device).sub_(first.gather(0, rows))
-    place = place.add_(rows.mul(wide))
-    table = torch.zeros(batch * wide, dtype=torch.float32, device=device)
-    columns = torch.zeros(batch * wide, dtype=torch.int64, device=device)
-    return Table(
-        table.scatter_(0, place, values).view(batch, wide),
-        columns.scatter_(0, place, ids).view(batch, wide),
-    )
-
+    place = torch.arange(rows.shape[0], device=weights.device).sub_(first.gather(0, rows))
+    table = torch.zeros(batch * wide, dtype=torch.float32, device=weights.device)
+    return table.scatter_(0, place.add_(rows.mul(wide)), values).view(batch, wide)
