@@ -74,8 +74,9 @@ WARM_S = 0.005
 
 SETTINGS: dict[str, dict[str, float | int]] = {
     "T=0.7 k=50 p=0.9": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
-    # No top-k (the OpenAI API's default; issue 36): top-p alone keeps the radix, min-p's
-    # few survivors take the candidate path.
+    # No top-k (the OpenAI API's default; issue 36): top-p alone takes its cut from the
+    # entries above a sampled bound (ops/top_p_entries.py), min-p's few survivors take the
+    # candidate path.
     "T=0.8 p=0.9": {"temperature": 0.8, "top_p": 0.9},
     "T=0.8 p=0.9 min_p=0.05": {"temperature": 0.8, "top_p": 0.9, "min_p": 0.05},
     "T=0.8 min_p=0.05": {"temperature": 0.8, "min_p": 0.05},
