@@ -18,7 +18,9 @@ cost nothing, :func:`top_p_cut` finds the same cut from a small part of the row:
    moderate weight, which a sample estimates well; the mass above it is never estimated (a
    few entries near the maximum can carry much of it). ``w_lo`` is also kept at or below the
    weight of the row's :data:`_FLOOR_BLOCKS`-th largest block maximum, so that a peaked row
-   (a few heavy entries, which a sample estimates poorly) holds its few candidates;
+   (a few heavy entries, which a sample estimates poorly) holds its few candidates. Before
+   ``Z`` is summed, a first look at a quarter of the sample (its own mass standing in for
+   ``Z``) declines sets far past the table's reach (:data:`_GATE_SHARE` of the row);
 3. the entries ``>= w_lo`` (a compare and ``nonzero`` over the weights: ~1.3-1.8x top-p's
    set on smooth rows) in a ``(B, L)`` table, and the cut among them by the radix selection
    on that table (:func:`~fastsample.ops.select.descending_threshold`, mass target
