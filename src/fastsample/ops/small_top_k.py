@@ -219,13 +219,22 @@ def min_p_candidates(logits: Tensor | None, controls: Controls) -> Controls | No
     return virtual if applies(logits, virtual) else None
 
 
+def _survivor_slots(blocks: int) -> int:
+    """Candidates for a row whose ``blocks`` blocks each hold a survivor: 1.5x and 8 more.
+    On ``N(0, 3^2)`` logits at T 0.8 and min-p 0.05 (16 batches of 64 rows) the most
+    survivors a row had was 1.24x its blocks holding one; a row with more makes the draw
+    decline and the general path serve the call. (Twice the blocks, before: B=64 7.8 ms
+    against 6.6 now, and one input in 8 past the candidates' limit.)"""
+    return blocks + blocks // 2 + 8
+
+
 def _survivor_candidates(maxima: Tensor, controls: Controls) -> int | None:
     """How many candidates :func:`min_p_candidates`'s draw takes: at least
-    :data:`MIN_P_CANDIDATES` and twice the most blocks of a row whose maximum min-p keeps
-    (each holds a survivor; a few hold two or more), fewer than the row's blocks; None past
-    ``controls.top_k`` (its most) or where that leaves no room. Read on the host from the
-    block maxima, so a call with many survivors skips the candidates; approximate weights
-    suffice (the draw checks the exact ones)."""
+    :data:`MIN_P_CANDIDATES` and :func:`_survivor_slots` of the most blocks of a row whose
+    maximum min-p keeps (each holds a survivor; a few hold two or more), fewer than the row's
+    blocks; None past ``controls.top_k`` (its most) or where that leaves no room. Read on the
+    host from the block maxima, so a call with many survivors skips the candidates;
+    approximate weights suffice (the draw checks the exact ones)."""
     scaled = maxima.float() - maxima.amax(-1, keepdim=True).float()
     t = controls.temperature
     if isinstance(t, Tensor):
@@ -238,7 +247,7 @@ def _survivor_candidates(maxima: Tensor, controls: Controls) -> int | None:
     # A NaN row counts none here; the draw declines it.
     blocks = int((scaled >= log_min).sum(-1).max())
     # The candidate path takes its candidates from more blocks than it has candidates.
-    count = min(max(MIN_P_CANDIDATES, 2 * blocks), maxima.shape[1] - _SHORT_MARGIN)
+    count = min(max(MIN_P_CANDIDATES, _survivor_slots(blocks)), maxima.shape[1] - _SHORT_MARGIN)
     assert isinstance(controls.top_k, int)
     return count if blocks < count <= controls.top_k else None
 
