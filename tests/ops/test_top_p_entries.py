@@ -192,7 +192,7 @@ def test_probabilities_and_process_match_the_radix(monkeypatch, any_share):
     assert torch.equal(drawn.token_ids, again.token_ids)
 
 
-def test_min_p_floor_settles_the_rows_it_binds(any_share):
+def test_min_p_floor_settles_the_rows_it_binds(any_share, monkeypatch):
     """With min-p's cut as the floor, the table reaches no lower than it; rows whose top-p
     cut lies below it get the floor, and ``max(cut, floor)`` is the radix's in every row.
     Control: the same table without the floor rule is declined (its mass falls short)."""
@@ -209,12 +209,12 @@ def test_min_p_floor_settles_the_rows_it_binds(any_share):
     assert torch.equal(got[:4], radix[:4]) and torch.equal(got[4:], floor[4:])
     # Control: a bound raised to the floor alone (no floor rule) cannot be proven.
     real = entries._bound
-    raised = lambda *args: (torch.maximum(real(*args)[0], floor), 0.001)  # noqa: E731
-    entries._bound = raised
-    try:
-        assert entries.top_p_cut(weights, torch.ones(16), p, maxima, 32000) is None
-    finally:
-        entries._bound = real
+
+    def raised(*args):
+        return torch.maximum(real(*args)[0], floor), 0.001
+
+    monkeypatch.setattr(entries, "_bound", raised)
+    assert entries.top_p_cut(weights, torch.ones(16), p, maxima, 32000) is None
 
 
 @pytest.mark.parametrize("order", ["transformers", "joint"])

@@ -43,7 +43,7 @@ def top_p_cut(
     the result may be ``floor`` instead)."""
     rows = torch.empty(weights.shape[0], dtype=torch.float64, device=weights.device)
     p = as_rows(top_p, rows.shape[0], rows)
-    from . import top_p_entries  # (it draws on this module)
+    from . import top_p_entries  # (it imports small_top_k, which imports this module)
 
     cut = None
     if mass is None and peak is not None and top_p_entries.applies(weights):

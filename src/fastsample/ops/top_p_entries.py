@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from .inverse_cdf import BLOCK, block_sums
-from .select import _FLOAT32_KEYS, block_maxima, descending_threshold
+from .select import block_maxima, descending_threshold, key_dtype
+from .small_top_k import host_readable
 
 # One weight in _STRIDE estimates the bound (8,000 a row at V = 128,256), in runs of _RUN.
 _STRIDE = 16
@@ -73,19 +74,15 @@ _SORT_ENTRIES = 1 << 14
 
 
 def applies(weights: Tensor) -> bool:
-    """Whether :func:`top_p_cut` may serve these weights: float32, on CPU in eager mode (the
-    proof and the table's width are host reads), rows of :data:`_MIN_VOCAB` or more."""
-    return weights.dtype == torch.float32 and weights.is_contiguous() and _eager_rows(weights)
-
-
-def _eager_rows(rows: Tensor) -> bool:
-    """CPU, eager mode (not compiling or tracing), a batch, rows of :data:`_MIN_VOCAB` or more."""
+    """Whether :func:`top_p_cut` may serve these weights: float32, contiguous, on CPU in eager
+    mode (the proof and the table's width are host reads), a batch of rows of
+    :data:`_MIN_VOCAB` or more."""
     return (
-        rows.device.type == "cpu"
-        and rows.shape[0] > 0
-        and rows.shape[1] >= _MIN_VOCAB
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
+        weights.dtype == torch.float32
+        and weights.is_contiguous()
+        and weights.shape[0] > 0
+        and weights.shape[1] >= _MIN_VOCAB
+        and host_readable(weights)
     )
 
 
@@ -121,15 +118,11 @@ def top_p_cut(
     # past the table's reach (_GATE_SHARE) declines. The sample's mass stands in for the
     # row's, and so does the largest weight where it is more (a sample can miss a peaked
     # row's few heavy entries, which would put the bound too low and the set too large).
-    for part in (_GATE_PART, 1):
-        sample = _sample(weights, vocab, part)
-        # Log-weights below the maximum (-inf for 0: the last bucket); NaN rows fail the proof.
-        under, total = _under(sample.div(peak[:, None]).log_(), sample, vocab)
-        if part > 1:
-            guess = torch.maximum(total, peak.to(torch.float64))
-            _, share = _bound(under, sample, peak, (1 - top_p) * guess, None, floor)
-            if share > _GATE_SHARE:
-                return None
+    sample, under, total = _look(weights, peak, vocab, _GATE_PART)
+    guess = torch.maximum(total, peak.to(torch.float64))
+    if _bound(under, sample, peak, (1 - top_p) * guess, None, floor)[1] > _GATE_SHARE:
+        return None
+    sample, under, _ = _look(weights, peak, vocab, 1)
     # The _FLOOR_BLOCKS-th largest block maximum's weight: that block's largest weight (the
     # weights are monotone in the input).
     block = _nth_largest_block(maxima)
@@ -157,16 +150,21 @@ def _proven_cut(table: Tensor, target: Tensor, w_lo: Tensor, floor: Tensor | Non
     return cut if bool(holds.all()) else None
 
 
-def _sample(rows: Tensor, vocab: int, part: int = 1) -> Tensor:
+def _look(weights: Tensor, peak: Tensor, vocab: int, part: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The sample (:func:`_sample`) and its :func:`_under` numbers."""
+    sample = _sample(weights, vocab, part)
+    # Log-weights below the maximum (-inf for 0: the last bucket); NaN rows fail the proof.
+    return sample, *_under(sample.div(peak[:, None]).log_(), sample, vocab)
+
+
+def _sample(rows: Tensor, vocab: int, part: int) -> Tensor:
     """``(B, n)`` copy of one entry in :data:`_STRIDE` of each row, in runs of :data:`_RUN`:
     a sixteenth of the row's cache lines (a stride of 16 floats would touch every line),
     spread over the whole vocabulary; ``part > 1``: every ``part``-th run of those only."""
-    batch = rows.shape[0]
-    runs = max(vocab // (_STRIDE * _RUN * part), 1)
-    run = min(_RUN, vocab)
     step = _STRIDE * _RUN * part
-    view = rows.as_strided((batch, runs, run), (rows.stride(0), step, 1))
-    return view.reshape(batch, runs * run)
+    runs = max(vocab // step, 1)  # rows of _MIN_VOCAB or more hold a run
+    view = rows.as_strided((rows.shape[0], runs, _RUN), (rows.stride(0), step, 1))
+    return view.reshape(rows.shape[0], runs * _RUN)
 
 
 def _nth_largest_block(maxima: Tensor) -> Tensor:
@@ -180,9 +178,9 @@ def _under(log_weights: Tensor, sample: Tensor, vocab: int) -> tuple[Tensor, Ten
     ``(B,)`` its whole mass, scaled to the row; ``sample`` (``(B, n)`` weights, one in
     :data:`_STRIDE` of the row) and their ``log_weights`` below the row's maximum."""
     batch, count = sample.shape
-    # int32 indices where scatter_add_ takes them (the radix's keys: half the bytes of int64)
+    # The radix's key dtype: int32 indices on CPU where scatter_add_ takes them
     buckets = log_weights.mul_(-1 / _BUCKET).nan_to_num_(0.0).clamp_(0, _BUCKETS - 1)
-    buckets = buckets.to(_FLOAT32_KEYS)
+    buckets = buckets.to(key_dtype(sample.dtype, sample.device))
     hist = torch.zeros(batch, _BUCKETS, dtype=torch.float32, device=sample.device)
     hist = hist.scatter_add_(1, buckets, sample).to(torch.float64).mul_(vocab / count)
     from_top = hist.flip(-1).cumsum(-1).flip(-1)
