@@ -13,6 +13,7 @@ import struct
 import torch
 from torch import Tensor
 
+from . import top_p_entries
 from .inverse_cdf import block_sums
 from .pieces import piece_rows
 from .select import CANDIDATE_MAX_K, descending_threshold, largest_entries
@@ -43,8 +44,6 @@ def top_p_cut(
     the result may be ``floor`` instead)."""
     rows = torch.empty(weights.shape[0], dtype=torch.float64, device=weights.device)
     p = as_rows(top_p, rows.shape[0], rows)
-    from . import top_p_entries  # (it imports small_top_k, which imports this module)
-
     cut = None
     if mass is None and peak is not None and top_p_entries.applies(weights):
         # Rows with top-p off (or invalid) get 0 below whatever their cut: any share serves.

@@ -43,7 +43,6 @@ from torch import Tensor
 
 from .inverse_cdf import BLOCK, block_sums
 from .select import block_maxima, descending_threshold, key_dtype
-from .small_top_k import host_readable
 
 # One weight in _STRIDE estimates the bound (8,000 a row at V = 128,256), in runs of _RUN.
 _STRIDE = 16
@@ -82,7 +81,11 @@ def applies(weights: Tensor) -> bool:
         and weights.is_contiguous()
         and weights.shape[0] > 0
         and weights.shape[1] >= _MIN_VOCAB
-        and host_readable(weights)
+        # small_top_k.host_readable's test, here because small_top_k imports cuts, which
+        # imports this module
+        and weights.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
     )
 
 
