@@ -138,7 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cold",
         action="store_true",
         help="with --controls: also time fastsample right after a model-sized matmul and "
-        "after a sort pipeline (an engine's sampler runs right after the model's forward)",
+        "after a sort pipeline (an engine's sampler runs right after the model's forward); "
+        "with --engine vllm: vLLM's sampler and the plugin's right after the matmul",
     )
     parser.add_argument(
         "--fresh",

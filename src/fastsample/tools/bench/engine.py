@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from .controls import COLD_ROUNDS, cold_workloads
 from .harness import LOGIT_SCALE, Timing
 from .report import machine_info, save_json
 from .runners import tiny_model
@@ -97,6 +98,10 @@ class StepResult:
     repeats: int
     ratio: float | None = None
     target: float | None = None
+    # --cold: each sampler right after a model-sized matmul, and vLLM's time over the plugin's
+    vllm_cold_ms: float | None = None
+    plugin_cold_ms: float | None = None
+    cold_ratio: float | None = None
 
 
 def _median_ms(times: list[float]) -> float | None:
@@ -105,8 +110,16 @@ def _median_ms(times: list[float]) -> float | None:
 
 def time_fresh(calls: dict[str, Callable[[torch.Tensor], Any]], base: torch.Tensor,
                timing: Timing) -> dict[str, list[float]]:  # fmt: skip
-    """Round-robin timing (the order rotated every round, so no contender always follows
-    the same one); every call gets its own copy of ``base``, made untimed."""
+    """Round-robin timing (the order rotated every round); every call gets its own copy of
+    ``base``, made untimed, and each timed call follows an untimed call of its own, so that
+    no contender's time depends on which one ran before it (steady state for each).
+
+    Why the untimed call: with the rotation alone the plugin, light next to vLLM's
+    sort-based sampler, followed vLLM's call in two rounds of three and the direct step in
+    one, so its median was a call right after vLLM's (whose work evicts what the plugin's ops
+    and Python touch) and the step's a warm one: at B=1 the plugin's own time read 0.25-0.34
+    ms where it is ~0.03 ms (2026-12-07). Calls right after an engine's forward are
+    :func:`time_cold`'s."""
     for fn in calls.values():
         for _ in range(timing.warmup):
             fn(base.clone())
@@ -124,6 +137,7 @@ def time_fresh(calls: dict[str, Callable[[torch.Tensor], Any]], base: torch.Tens
         for name in names[rounds % len(names):] + names[: rounds % len(names)]:  # rotated
             fn = calls[name]
             if wants(name):
+                fn(base.clone())
                 logits = base.clone()
                 start = time.perf_counter()
                 fn(logits)
@@ -133,7 +147,28 @@ def time_fresh(calls: dict[str, Callable[[torch.Tensor], Any]], base: torch.Tens
     return times
 
 
-def measure_step(setting: str, batch: int, vocab: int, timing: Timing) -> StepResult:
+def time_cold(calls: dict[str, Callable[[torch.Tensor], Any]], base: torch.Tensor,
+              workload: Callable[[], Any],
+              rounds: int = COLD_ROUNDS) -> dict[str, float]:  # fmt: skip
+    """Median ms of each call right after ``workload`` (an engine's sampler runs right after
+    the model's forward): each round an untimed call of its own, the workload, the fresh
+    copy of ``base`` (the logits the forward just wrote), then the timed call."""
+    out = {}
+    for name, fn in calls.items():
+        seconds = []
+        for _ in range(rounds):
+            fn(base.clone())
+            workload()
+            logits = base.clone()
+            start = time.perf_counter()
+            fn(logits)
+            seconds.append(time.perf_counter() - start)
+        out[name] = statistics.median(seconds) * 1e3
+    return out
+
+
+def measure_step(setting: str, batch: int, vocab: int, timing: Timing,
+                 cold: bool = False) -> StepResult:  # fmt: skip
     from vllm.v1.sample.sampler import Sampler
 
     from ...stages import sample_step
@@ -156,13 +191,18 @@ def measure_step(setting: str, batch: int, vocab: int, timing: Timing) -> StepRe
         if plan.stats is not None:
             plan.stats.update(out.token_ids)
 
+    calls = {
+        "vllm": lambda x: theirs(x, theirs_md),
+        "plugin": lambda x: ours(x, ours_md),
+        "sample_step": direct,
+    }
     # Under inference mode, as vLLM's runner calls its sampler (``sample_tokens``).
     with torch.inference_mode():
-        times = time_fresh({
-            "vllm": lambda x: theirs(x, theirs_md),
-            "plugin": lambda x: ours(x, ours_md),
-            "sample_step": direct,
-        }, base, timing)  # fmt: skip
+        times = time_fresh(calls, base, timing)
+        after = {}
+        if cold:
+            matmul = cold_workloads(batch, vocab, base.device)["matmul"]
+            after = time_cold({k: calls[k] for k in ("vllm", "plugin")}, base, matmul)
     builds = []
     for _ in range(3):
         start = time.perf_counter()
@@ -173,17 +213,25 @@ def measure_step(setting: str, batch: int, vocab: int, timing: Timing) -> StepRe
                         _median_ms(builds), min(len(t) for t in times.values()))  # fmt: skip
     if result.vllm_ms and result.plugin_ms:
         result.ratio = result.vllm_ms / result.plugin_ms
+    if after:
+        result.vllm_cold_ms, result.plugin_cold_ms = after["vllm"], after["plugin"]
+        result.cold_ratio = after["vllm"] / after["plugin"]
     result.target = TARGETS.get((setting, batch))
     return result
 
 
-def print_step_header() -> None:
+def print_step_header(cold: bool = False) -> None:
     header = (f"{'setting':<32} {'B':>3} {'vLLM ms':>9} {'plugin ms':>10} {'step ms':>9} "
               f"{'vLLM/plugin':>12} {'plugin own ms':>14} {'plan ms':>8}  target")  # fmt: skip
+    if cold:
+        header = (f"{header:<{_TARGET_END}}  {'cold: vLLM ms':>13} {'plugin ms':>10} "
+                  f"{'vLLM/plugin':>12}")  # fmt: skip
     print(header)
     print("-" * len(header))
-    print("(step ms: fastsample.sample_step called directly, state update included; plugin own "
-          "ms: plugin - step; plan ms: StepParams/TokenStats built, once per batch change)")
+    print("(each timed call follows an untimed call of its own; step ms: fastsample.sample_step "
+          "called directly, state update included; plugin own ms: plugin - step; plan ms: "
+          "StepParams/TokenStats built, once per batch change"
+          + ("; cold: right after a (B, 4096) @ (4096, 14336) matmul" if cold else "") + ")")
 
 
 def print_steps(results: list[StepResult]) -> None:
@@ -197,9 +245,17 @@ def print_steps(results: list[StepResult]) -> None:
         def f(x: float | None) -> str:
             return "-" if x is None else f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
-        print(f"{r.setting:<32} {r.batch:>3} {f(r.vllm_ms):>9} {f(r.plugin_ms):>10} "
-              f"{f(r.sample_step_ms):>9} {'-' if r.ratio is None else f'{r.ratio:.1f}x':>12} "
-              f"{f(own):>14} {f(r.plan_ms):>8}  {target}", flush=True)  # fmt: skip
+        line = (f"{r.setting:<32} {r.batch:>3} {f(r.vllm_ms):>9} {f(r.plugin_ms):>10} "
+                f"{f(r.sample_step_ms):>9} {'-' if r.ratio is None else f'{r.ratio:.1f}x':>12} "
+                f"{f(own):>14} {f(r.plan_ms):>8}  {target}")  # fmt: skip
+        if r.cold_ratio is not None:
+            line = (f"{line:<{_TARGET_END}}  {f(r.vllm_cold_ms):>13} {f(r.plugin_cold_ms):>10} "
+                    f"{f'{r.cold_ratio:.1f}x':>12}")  # fmt: skip
+        print(line, flush=True)
+
+
+# Where the cold columns start: after the widest target cell (">= 80x: MISSED").
+_TARGET_END = 32 + 1 + 3 + 1 + 9 + 1 + 10 + 1 + 9 + 1 + 12 + 1 + 14 + 1 + 8 + 2 + 14
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -379,10 +435,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"sampler step, V={vocab}, float32 N(0, {LOGIT_SCALE:g}^2) logits copied fresh "
           f"(untimed) for every call; median of {timing.min_repeats}-{timing.max_repeats}\n")
     steps = []
-    print_step_header()
+    print_step_header(args.cold)
     for setting in settings:
         for batch in batches:
-            steps.append(measure_step(setting, batch, vocab, timing))
+            steps.append(measure_step(setting, batch, vocab, timing, cold=args.cold))
             print_steps(steps[-1:])
     generate = []
     if not args.no_generate:
