@@ -65,6 +65,7 @@ from torch import Tensor
 
 from . import host_rows, host_top_k
 from .cuts import BELOW_ONE, CUT_FLOOR, as_rows, top_p_cut_from_candidates
+from .eager import host_readable
 from .inverse_cdf import BLOCK, inverse_cdf_draw, kept_block_sums, tile_sums
 from .joint import joint_top_p_cut
 from .noise import UniformSource
@@ -127,16 +128,6 @@ class Drawn(NamedTuple):
     # (B, n) float32 probabilities and log-probabilities of the drawn ids, as
     # stages.output.finish computes them for clean rows, when the draw computed them
     token_probs: tuple[Tensor, Tensor] | None = None
-
-
-def host_readable(value: Tensor) -> bool:
-    """Whether reading ``value`` on the host is free: a CPU tensor in eager mode (no device
-    sync; under ``torch.compile`` or tracing a read would break or freeze the graph)."""
-    return (
-        value.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-    )
 
 
 def candidate_count(controls: Controls, vocab: int) -> int | None:

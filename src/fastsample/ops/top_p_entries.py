@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .eager import host_readable
 from .inverse_cdf import BLOCK, block_sums
 from .select import block_maxima, descending_threshold, key_dtype
 
@@ -81,11 +82,7 @@ def applies(weights: Tensor) -> bool:
         and weights.is_contiguous()
         and weights.shape[0] > 0
         and weights.shape[1] >= _MIN_VOCAB
-        # small_top_k.host_readable's test, here because small_top_k imports cuts, which
-        # imports this module
-        and weights.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
+        and host_readable(weights)
     )
 
 

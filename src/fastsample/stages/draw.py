@@ -31,6 +31,7 @@ from ..controls import Processed, processed_weights
 from ..kernels import backend as kernel_backend  # imports no triton
 from ..ops import small_top_k
 from ..ops import validation as v
+from ..ops.eager import host_readable
 from ..ops.inverse_cdf import inverse_cdf_draw
 from ..ops.noise import UniformSource
 from ..ops.race import repeat_last_genuine
@@ -215,11 +216,11 @@ def _shortcut_ok(controls: v.Controls, batch: int, device: torch.device) -> Tens
 
 def _greedy_everywhere(controls: v.Controls) -> bool:
     """Whether a tensor temperature holds zeros only, read where that is free (a CPU tensor
-    in eager mode, :func:`~fastsample.ops.small_top_k.host_readable`): every row is greedy,
+    in eager mode, :func:`~fastsample.ops.eager.host_readable`): every row is greedy,
     and the call is served as with a Python 0 (one blocked max pass, no weights). Elsewhere
     (CUDA, ``torch.compile``) such rows take the general path: no sync."""
     t = controls.temperature
-    if not isinstance(t, Tensor) or t.numel() == 0 or not small_top_k.host_readable(t):
+    if not isinstance(t, Tensor) or t.numel() == 0 or not host_readable(t):
         return False
     if t.numel() <= 1024:  # the values themselves: fewer ops
         return not any(t.tolist())

@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from ..ops import scratch, threads
+from ..ops.eager import host_readable
 from ..ops.inverse_cdf import BLOCK, row_summaries
 from ..ops.select import block_maxima, first_in_block, top_entries
-from ..ops.small_top_k import host_readable
 from .draw import Drawn
 from .output import SampleOutput
 
