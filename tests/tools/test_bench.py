@@ -189,3 +189,37 @@ def test_python_m_fastsample_help(argv):
     assert "bench" in done.stdout
     if argv[0] == "bench":
         assert "--quick" in done.stdout and "read pass" in done.stdout
+
+
+def test_engine_timing_puts_each_timed_call_after_one_of_its_own():
+    """bench --engine vllm: a contender's timed call never directly follows another
+    contender's call (with the rotation alone the light plugin was timed right after vLLM's
+    sampler in two rounds of three), and every call gets a fresh copy of the logits."""
+    from fastsample.tools.bench.engine import time_cold, time_fresh
+
+    log: list[tuple[str, int]] = []
+    base = torch.zeros(2, 3)
+
+    def contender(name: str):
+        def call(x: torch.Tensor) -> None:
+            assert x is not base and torch.equal(x, base)
+            x.add_(1)  # edits its input in place, as vLLM's sampler does
+            log.append((name, len(log)))
+        return call
+
+    calls = {name: contender(name) for name in ("vllm", "plugin", "step")}
+    timing = harness.Timing(warmup=1, min_repeats=4, max_repeats=4, budget_s=0.0)
+    times = time_fresh(calls, base, timing)
+    assert all(len(t) == 4 for t in times.values())
+    steady = log[3:]  # after the warm-up calls
+    assert len(steady) == 2 * 3 * 4
+    pairs = [steady[i : i + 2] for i in range(0, len(steady), 2)]
+    assert all(first[0] == second[0] for first, second in pairs)
+    assert {first[0] for first, _ in pairs} == set(calls)
+    log.clear()
+    workload_at: list[int] = []
+    cold = time_cold(calls, base, lambda: workload_at.append(len(log)), rounds=2)
+    assert set(cold) == set(calls)
+    # each timed call: right after the workload, which follows an untimed call of its own
+    assert [log[i][0] for i in workload_at] == [n for n in calls for _ in range(2)]
+    assert all(log[i - 1][0] == log[i][0] for i in workload_at)
