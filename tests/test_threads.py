@@ -152,6 +152,55 @@ def test_a_serial_call_runs_on_its_thread_alone(monkeypatch):
         threads.forget_stalls()
 
 
+def _mkl_own_count():
+    """MKL's thread count as the calling thread sees it (its own count if set, else MKL's
+    global one), read through MKL's C interface, independently of the library's setter."""
+    import ctypes
+
+    folder = os.path.join(os.path.dirname(torch.__file__), "lib")
+    library = ctypes.CDLL(os.path.join(folder, "libtorch_cpu.so"), mode=os.RTLD_NOLOAD)
+    return library.MKL_Get_Max_Threads()
+
+
+@pytest.mark.skipif(
+    threads._loaded_openmp() is None or threads._mkl_local_setter() is None,
+    reason="needs torch on an OpenMP runtime, built with MKL",
+)
+def test_a_serial_call_sets_mkls_own_count_too(monkeypatch):
+    """``torch.set_num_threads(2)`` also gives the calling thread an MKL count of 2 that
+    overrides OpenMP's for the ops MKL runs (beside two busy loops a one-thread B=64 call
+    then took 50-100 ms instead of 7): a serial call sets it to 1 and puts it back, also when
+    a pass stalls mid-call. Negative control: without the MKL setter the call sees 2."""
+    seen = []
+
+    @threads.one_thread_calls
+    def probe(x, stall=False):
+        if stall:
+            threads.judge(1.0, 0.0)
+        seen.append(_mkl_own_count())
+
+    before, own_before = torch.get_num_threads(), threads._set_mkl_local(0)
+    threads._set_mkl_local(own_before)
+    small = torch.zeros(threads.PARALLEL_PASS_ELEMENTS // 2)
+    big = torch.zeros(threads.PARALLEL_PASS_ELEMENTS)
+    monkeypatch.setenv(threads.SERIAL_ENV, "")
+    threads.forget_stalls()
+    try:
+        torch.set_num_threads(2)  # the engine's setting: MKL's own count 2 on this thread
+        assert _mkl_own_count() == 2
+        probe(small)
+        probe(big, stall=True)  # threaded until its pass stalls, then on one thread
+        assert seen == [1, 1] and _mkl_own_count() == 2 and torch.get_num_threads() == 2
+        threads.forget_stalls()
+        monkeypatch.setattr(threads, "_set_mkl_local", lambda count: 0)
+        probe(small)
+        assert seen[2:] == [2]  # the control: MKL's count left alone reaches the call
+    finally:
+        threads.forget_stalls()
+        torch.set_num_threads(before)
+        threads._mkl_local_setter()(own_before)
+
+
 def test_serial_mode_gives_the_same_results(monkeypatch):
     results = {}
     for serial in ("0", "1"):

@@ -22,7 +22,9 @@ it with a warning). Instead:
   input is under :data:`PARALLEL_PASS_ELEMENTS` (B <= 8 at V = 128,256), ``FASTSAMPLE_CPU_SERIAL``
   is ``1``, or a hold is on (below). For the call's duration the calling thread's own OpenMP
   thread count is 1 (``omp_set_num_threads`` on the runtime torch already loaded: a setting
-  of that thread only, put back when the call returns or raises), so no op of the call opens
+  of that thread only, put back when the call returns or raises; likewise MKL's count for
+  that thread, which ``torch.set_num_threads`` sets and which overrides OpenMP's for the ops
+  MKL runs), so no op of the call opens
   a region, every path included (the general path's weights pass and radix, the penalties,
   the logprobs, verification), and each op runs whole;
 * larger calls keep torch's threads, and their passes over the whole input (the block maxima
@@ -177,6 +179,8 @@ def judge(wall: float, cpu: float) -> bool:
     _STALLS.hold = min(2 * _STALLS.hold, HOLD_MAX_S)
     if _CALL.count:  # the rest of this call on one thread too (its entry point restores it)
         _CALL.runtime.omp_set_num_threads(1)
+        if _CALL.mkl_local is None:
+            _CALL.mkl_local = _set_mkl_local(1)
     return True
 
 
@@ -220,6 +224,37 @@ def _loaded_openmp() -> Any:
     return None
 
 
+@functools.cache
+def _mkl_local_setter() -> Any:
+    """MKL's ``MKL_Set_Num_Threads_Local`` (by value; the lowercase name is the Fortran
+    interface, by reference) where torch was built with MKL and exports it, else None.
+
+    Why: ``torch.set_num_threads(n)`` also sets MKL's count for the calling thread
+    (``mkl_set_num_threads_local``), and that count overrides OpenMP's, so the ops torch
+    hands to MKL (``log``, ``exp`` and the like through its vector math) still opened
+    n-thread regions in a call run on one thread. Beside two busy loops a B=64 T/k/p call
+    on one thread took 50-100 ms instead of 7 after a single ``torch.set_num_threads(2)``
+    (2026-12-07, 2-core Xeon); engines and users call it."""
+    if "Math Kernel Library" not in torch.__config__.parallel_info():
+        return None
+    folder = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in sorted(glob.glob(os.path.join(folder, "libtorch_cpu*"))):
+        try:
+            setter = ctypes.CDLL(path, mode=os.RTLD_NOLOAD).MKL_Set_Num_Threads_Local
+        except (OSError, AttributeError):
+            continue
+        setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+        return setter
+    return None
+
+
+def _set_mkl_local(count: int) -> int:
+    """Set MKL's thread count for the calling thread; the one it had (0: none of its own,
+    MKL's global count applies), for putting it back. 0 without MKL."""
+    setter = _mkl_local_setter()
+    return setter(count) if setter is not None else 0
+
+
 def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
     """A public entry point whose CPU calls run on the calling thread alone where
     :func:`serial_passes` says so for its input (the largest tensor argument): small inputs,
@@ -227,7 +262,9 @@ def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
 
     For the call's duration the calling thread's own OpenMP thread count is 1 (the OpenMP
     setting of that thread alone: other threads, and ``torch.get_num_threads()`` everywhere
-    once the call returns, see no change), so no op of the call opens a parallel region:
+    once the call returns, see no change), and so is its MKL count where torch has MKL
+    (:func:`_mkl_local_setter`: ``torch.set_num_threads`` gives each thread one that
+    overrides OpenMP's for the ops MKL runs), so no op of the call opens a parallel region:
     every path, not only the passes shaped into pieces, and each op whole (no pieces to
     dispatch). Where torch runs on no OpenMP runtime that can be found this way, the passes
     fall back to their pieces. The results do not depend on it (module docstring)."""
@@ -246,14 +283,16 @@ def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
         count = torch.get_num_threads()
         if runtime is None or count == 1:
             return function(*args, **kwargs)
-        _CALL.count, _CALL.runtime = count, runtime
+        _CALL.count, _CALL.runtime, _CALL.mkl_local = count, runtime, None
         if serial_passes(source.device, source.numel()):
             runtime.omp_set_num_threads(1)
+            mkl_local = _set_mkl_local(1)
             try:
                 return function(*args, **kwargs)
             finally:
                 _CALL.count = 0
                 runtime.omp_set_num_threads(count)
+                _set_mkl_local(mkl_local)
         wall, cpu = time.perf_counter(), time.thread_time()  # a threaded call is watched
         try:
             return function(*args, **kwargs)
@@ -262,6 +301,9 @@ def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
             _CALL.count = 0
             if torch.get_num_threads() != count:  # a pass stalled: the rest ran on one thread
                 runtime.omp_set_num_threads(count)
+                if _CALL.mkl_local is not None:
+                    _set_mkl_local(_CALL.mkl_local)
+                    _CALL.mkl_local = None
             elif wall >= WATCH_FROM_S and _auto_mode():
                 judge(wall, cpu)  # the whole call, as a pass's region is judged
 
@@ -275,6 +317,7 @@ class _Call(threading.local):
 
     count = 0
     runtime: Any = None
+    mkl_local: int | None = None  # MKL's own count for this thread, set aside mid-call
 
 
 _CALL = _Call()
