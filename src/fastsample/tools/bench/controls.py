@@ -13,6 +13,9 @@ tensors) the same call is timed, round-robin in one process, for:
 * ``vllm``, ``sglang``: the engines' own pure-PyTorch samplers (sort, cumsum, mask; vLLM's
   exponential race, SGLang's ``torch.multinomial``), written from their published code in
   :mod:`.peers` (no package needed), with per-row tensors as the engines pass them;
+* ``llama.cpp``: llama.cpp's own sampler chain for the setting, through ``llama-cpp-python``
+  where it is installed (:mod:`.llama_cpp_chain`: llama.cpp's default order, temperature last;
+  one row at a time, the candidate array's fill included);
 * ``fs``: :func:`fastsample.sample` with the same controls as Python scalars;
 * ``fs.tensor``: the same controls as ``(B,)`` tensors (every stage runs for every row:
   what an engine with mixed requests pays).
@@ -25,7 +28,10 @@ tensors for the controls and the seeds, a ``(B,)`` step counter):
 * ``fs.step+pen+lp``: with repetition, frequency and presence penalties (1.1, 0.2, 0.1 per
   row; :class:`~fastsample.TokenStats` of 512 prompt and 128 output tokens a row) and the
   top-5 logprobs with the drawn tokens' ranks, processed;
-* ``fs.step+pen+lp.raw``: the same with raw logprobs (vLLM's default).
+* ``fs.step+pen+lp.raw``: the same with raw logprobs (vLLM's default);
+* ``fs.step+pen``: the penalties without the logprobs, beside ``llama.cpp+pen``, llama.cpp's
+  chain with its penalties (the same three values, over its default window of the last 64
+  tokens) before the setting's samplers.
 
 ``--fresh N`` gives every call of every contender the next of ``N`` logits tensors (fresh
 logits every call, as in an engine, where the logits are new each step: ``N >= 4`` keeps
@@ -66,6 +72,7 @@ from ...ops import threads
 from ...sampling import sample
 from .busy import busy_loops
 from .harness import LOGIT_SCALE, Call, Timing, pick_device, time_interleaved, timing_from_args
+from .llama_cpp_chain import chain_call, controls_chain
 from .peers import sglang_sample, vllm_sample
 from .report import machine_info, save_json
 
@@ -171,6 +178,7 @@ class Row:
     read_passes: float | None = None
     speedup_vs_vllm: float | None = None
     speedup_vs_sglang: float | None = None
+    speedup_vs_llama_cpp: float | None = None  # llama.cpp's chain, where it is installed
     busy_ms: float | None = None  # the median beside --busy N busy loops
     slowdown: float | None = None  # busy_ms / median_ms
     batch: int | None = None
@@ -182,8 +190,10 @@ class Row:
 PEERS = {"hf": "speedup_vs_hf", "vllm": "speedup_vs_vllm", "sglang": "speedup_vs_sglang"}
 """The sort-based pipelines every fastsample row is compared with, and its field for each."""
 
+LLAMA_CPP = {"fs.step+pen": "llama.cpp+pen"}
+"""The llama.cpp chain a fastsample row is compared with where not ``llama.cpp``."""
 
-ALWAYS = ("read_pass", *PEERS)
+ALWAYS = ("read_pass", *PEERS, "llama.cpp", "llama.cpp+pen")
 """Contenders that run whatever ``--contender`` says: the ratios need them."""
 
 
@@ -228,6 +238,13 @@ def step_calls(
     }  # fmt: skip
     plain = StepParams(batch, vocab, device=device, **seeded)
     calls: dict[str, Call] = {"fs.step": lambda: sample_step(nxt(), params=plain, step=step)}
+    penalized = StepParams(batch, vocab, device=device, **seeded, **penalties)
+    calls["fs.step+pen"] = lambda: sample_step(nxt(), params=penalized, state=stats, step=step)
+    if device.type == "cpu":
+        values = {name: float(row[0]) for name, row in penalties.items()}
+        chain = chain_call(nxt, vocab, controls_chain(controls, values), seen[0].tolist())
+        if chain is not None:
+            calls["llama.cpp+pen"] = chain
     for label, mode in (("fs.step+pen+lp", "processed"), ("fs.step+pen+lp.raw", "raw")):
         params = StepParams(
             batch, vocab, device=device, **seeded, **penalties, top_logprobs=5,
@@ -261,6 +278,10 @@ def setting_calls(
         calls["hf.transformers"] = lambda: transformers_call(nxt())
     calls["vllm"] = lambda: vllm_sample(nxt(), controls)
     calls["sglang"] = lambda: sglang_sample(nxt(), controls)
+    if logits.device.type == "cpu":
+        chain = chain_call(nxt, vocab, controls_chain(controls))
+        if chain is not None:
+            calls["llama.cpp"] = chain
     as_tensors = tensor_controls(controls, batch, logits.device)
     calls["fs"] = lambda: sample(nxt(), **controls)  # type: ignore[arg-type]
     calls["fs.tensor"] = lambda: sample(nxt(), **as_tensors)
@@ -351,6 +372,9 @@ def run_setting(
         if contender.startswith("fs"):
             for peer, field in PEERS.items():
                 setattr(row, field, quiet[peer] / median)
+            chain = LLAMA_CPP.get(contender, "llama.cpp")
+            if chain in quiet:
+                row.speedup_vs_llama_cpp = quiet[chain] / median
         if loaded is not None:
             row.busy_ms = loaded[contender]
             row.slowdown = row.busy_ms / median
@@ -368,14 +392,14 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return f"{x:.3g}{unit}" if x < 100 else f"{x:.0f}{unit}"
 
 
-HEADER = ("setting", "contender", "median ms", "vs hf", "vs vllm", "vs sglang", "read passes")
+HEADER = ("setting", "contender", "median ms", "vs hf", "vs vllm", "vs sglang", "vs llama.cpp",
+          "read passes")  # fmt: skip
 BUSY_HEADER = ("busy ms", "slowdown")
 COLD_HEADER = ("matmul ms", "sort ms", "cold")
 
 
-WIDTHS = dict(
-    zip(HEADER + BUSY_HEADER + COLD_HEADER, (18, 19, 10, 8, 8, 9, 11, 10, 9, 10, 9, 7), strict=True)
-)
+_WIDTH_LIST = (18, 19, 10, 8, 8, 9, 12, 11, 10, 9, 10, 9, 7)
+WIDTHS = dict(zip(HEADER + BUSY_HEADER + COLD_HEADER, _WIDTH_LIST, strict=True))
 """Each column's width, by its header."""
 
 
@@ -401,6 +425,7 @@ def print_rows(rows: list[Row], out: TextIO, busy: bool = False, cold: bool = Fa
             _fmt(r.speedup_vs_hf, "x"),
             _fmt(r.speedup_vs_vllm, "x"),
             _fmt(r.speedup_vs_sglang, "x"),
+            _fmt(r.speedup_vs_llama_cpp, "x"),
             _fmt(r.read_passes, "x"),
         )
         if busy:
@@ -454,8 +479,9 @@ def run(args: argparse.Namespace) -> int:
             print_rows(setting_rows, sys.stdout, busy=bool(busy), cold=cold)
             rows.extend(setting_rows)
     print(
-        f"done in {time.perf_counter() - start:.1f} s. vs hf/vllm/sglang: that pipeline's time "
-        "/ this time; read passes: this time / one logits.sum(-1)"
+        f"done in {time.perf_counter() - start:.1f} s. vs hf/vllm/sglang/llama.cpp: that "
+        "pipeline's time / this time (llama.cpp's chain: where llama-cpp-python is installed; "
+        "fs.step+pen against llama.cpp+pen); read passes: this time / one logits.sum(-1)"
         + ("; slowdown: busy ms / median ms" if busy else "")
         + ("; cold: the slower of matmul ms and sort ms / median ms" if cold else "")
     )

@@ -34,12 +34,14 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ...stages import StepParams, TokenStats, sample_step
 from .harness import LOGIT_SCALE, Timing, pick_device, time_interleaved, timing_from_args
+from .llama_cpp_chain import chain_call
 from .report import machine_info, save_json
 
 BASE = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
@@ -105,44 +107,27 @@ def _hf_calls(logits: list[Tensor], batch: int, vocab: int) -> dict[str, Callabl
 
 
 def _llama_cpp_call(logits: list[Tensor], batch: int, vocab: int) -> dict[str, Callable]:
-    try:
-        import ctypes
+    """llama.cpp's chain with every stage (module docstring), where ``llama_cpp`` installs."""
 
-        import llama_cpp as lc
-        import numpy as np
-    except ImportError:
-        return {}
-    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-    history = np.random.default_rng(7).integers(0, vocab, PROMPT)
-    penalties = lc.llama_sampler_init_penalties(vocab, 64, 1.1, 0.0, 0.0)
-    dry = lc.llama_sampler_init_dry(None, 0.8, 1.75, 2, 64, None, 0)
-    for sampler in (penalties, dry):
-        for token in history[-64:]:
-            lc.llama_sampler_accept(sampler, int(token))
-    for sampler in (
-        penalties, dry, lc.llama_sampler_init_top_n_sigma(2.0), lc.llama_sampler_init_top_k(40),
-        lc.llama_sampler_init_typical(0.95, 0), lc.llama_sampler_init_top_p(0.95, 0),
-        lc.llama_sampler_init_min_p(0.05, 0), lc.llama_sampler_init_xtc(0.5, 0.1, 0, 1),
-        lc.llama_sampler_init_temp_ext(0.8, 0.3, 1.0), lc.llama_sampler_init_dist(1),
-    ):  # fmt: skip
-        lc.llama_sampler_chain_add(chain, sampler)
-    record = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
-    cells = np.zeros(vocab, dtype=record)
-    ids = np.arange(vocab, dtype=np.int32)
-    pointer = ctypes.cast(cells.ctypes.data, ctypes.POINTER(lc.llama_token_data))
-    rows = [x.numpy() for x in logits]
+    def samplers(lc: Any, vocab: int) -> list:
+        return [
+            lc.llama_sampler_init_penalties(vocab, 64, 1.1, 0.0, 0.0),
+            lc.llama_sampler_init_dry(None, 0.8, 1.75, 2, 64, None, 0),
+            lc.llama_sampler_init_top_n_sigma(2.0), lc.llama_sampler_init_top_k(40),
+            lc.llama_sampler_init_typical(0.95, 0), lc.llama_sampler_init_top_p(0.95, 0),
+            lc.llama_sampler_init_min_p(0.05, 0), lc.llama_sampler_init_xtc(0.5, 0.1, 0, 1),
+            lc.llama_sampler_init_temp_ext(0.8, 0.3, 1.0), lc.llama_sampler_init_dist(1),
+        ]  # fmt: skip
+
+    history = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(7))
     turn = [0]
 
-    def call() -> None:
+    def next_logits() -> Tensor:
         turn[0] += 1
-        x = rows[turn[0] % len(rows)]
-        for b in range(batch):
-            cells["id"] = ids
-            cells["logit"] = x[b]
-            array = lc.llama_token_data_array(data=pointer, size=vocab, selected=-1, sorted=False)
-            lc.llama_sampler_apply(chain, ctypes.byref(array))
+        return logits[turn[0] % len(logits)]
 
-    return {"llama.cpp": call}
+    call = chain_call(next_logits, vocab, samplers, history[-64:].tolist())
+    return {} if call is None else {"llama.cpp": call}
 
 
 def run(args: argparse.Namespace) -> int:
