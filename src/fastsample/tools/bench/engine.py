@@ -13,7 +13,9 @@ Three parts (vLLM's CPU build, 0.32; nothing downloaded):
    per-row tensors); with penalties (512 prompt and 128 output tokens a row; repetition
    1.1, frequency 0.2, presence 0.1), with 5 logprobs, and all of these at once; greedy.
    Ratios are vLLM's time over the plugin's. The plan (StepParams and TokenStats, built when
-   the batch changes) is timed apart.
+   the batch changes) is timed apart. Each timed call follows an untimed call of its own
+   (:func:`time_fresh`: steady state, whichever sampler ran before); ``--cold`` also times
+   vLLM's sampler and the plugin's right after a model-sized matmul (:func:`time_cold`).
 2. **End to end.** ``LLM.generate`` throughput of a tiny random Llama (vocabulary 512 and
    32,000) in one in-process engine, with the plugin and with vLLM's own sampler
    (:func:`fastsample.vllm.vllm_sampling` switches the same engine over).
