@@ -626,3 +626,41 @@ def law_cases():
         for row, law in enumerate(laws):
             name = f"many blocks {source} V=1300 row {row}"
             yield LawCase(name, law, MANY_BLOCKS_DRAWS, MANY_BLOCKS_CLAIM, MANY_BLOCKS_CARRIED)
+
+
+def test_the_general_paths_weights_buffer_is_kept_and_never_reaches_the_caller(monkeypatch):
+    """On CPU the general path's (B, V) weights live in a per-thread buffer kept between calls
+    (fastsample.ops.scratch: a fresh 32 MB block page-faulted after any heap trim). Nothing a
+    call returns may view it: the first call's results stay the same after a second call on
+    other logits refills the buffer."""
+    from fastsample.ops import scratch
+
+    slots = []
+    real = scratch.buffer
+
+    buffers = []
+
+    def spy(slot, shape, dtype, device):
+        got = real(slot, shape, dtype, device)
+        slots.append((slot, got.data_ptr()))
+        if slot == "general weights":
+            buffers.append(got)
+        return got
+
+    monkeypatch.setattr(scratch, "buffer", spy)
+    gen = torch.Generator().manual_seed(3)
+    first, second = (torch.randn(4, 5001, generator=gen) * 3 for _ in range(2))
+    controls = dict(temperature=0.8, top_p=0.9)
+    processed = fs.process(first, **controls)
+    drawn = fs.sample(first, **controls, num_samples=2, seed=5, top_logprobs=3)
+    returned = [t for t in (processed, *drawn) if isinstance(t, torch.Tensor)]
+    assert len(returned) >= 5  # the probabilities, and the draw's ids, probs, logprobs, top-N
+    kept = [t.clone() for t in returned]
+    weights_then = buffers[-1].clone()
+    fs.process(second, **controls)
+    fs.sample(second, **controls, num_samples=2, seed=5, top_logprobs=3)
+    assert all(torch.equal(a, b) for a, b in zip(kept, returned, strict=True))
+    # The control: the buffer itself was refilled, so a view of it would have changed.
+    assert not torch.equal(weights_then, buffers[-1])
+    pointers = {ptr for slot, ptr in slots if slot == "general weights"}
+    assert len(pointers) == 1 and len([s for s, _ in slots if s == "general weights"]) == 4

@@ -8,8 +8,9 @@ takes it from here: one buffer per thread and per use (``slot``), kept while the
 dtype stay the same, replaced when they change. A buffer is handed out only for the duration
 of a call and never returned to the caller (results are computed from it, never views of it).
 
-Memory: at most one buffer per slot per calling thread (three slots are used: the staged
-logits, the raw logprobs' normalizer and the sampler chain's whole-row weights), released
+Memory: at most one buffer per slot per calling thread (four slots are used: the staged
+logits, the raw logprobs' normalizer, the sampler chain's whole-row weights and the general
+path's weights, :func:`fastsample.ops.weights.weights_from_logits`), released
 with the thread or by :func:`release`. Off CPU (the caching allocator reuses memory there)
 and under ``torch.compile`` a fresh tensor is made.
 """

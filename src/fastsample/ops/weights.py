@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import threads
+from . import scratch, threads
 from .validation import Control, Controls, plain_total_fits, total_fits
 
 
@@ -133,7 +133,11 @@ def weights_from_logits(
     # Even: the radix once read float32 pairs as int64 and no longer needs it, but the block
     # layouts of small_top_k and the vocabulary shards mirror this buffer bitwise.
     width = vocab + vocab % 2
-    weights = torch.empty(batch, width, dtype=dtype, device=logits.device)
+    # Kept per thread on CPU (32 MB at B=64, V=128,256): a fresh block that size came from
+    # the OS whenever glibc had just trimmed its heap (after any large free, e.g. a sort
+    # pipeline), ~8,000 page faults and 2-4 ms. It never outlives the call: the draw and
+    # process() read from it and return tensors of their own.
+    weights = scratch.buffer("general weights", (batch, width), dtype, logits.device)
     if width > vocab:
         weights[:, vocab:] = 0.0
     logit_weights_(weights[:, :vocab], logits, torch.where(finite, best, 0.0), temperature)
