@@ -178,9 +178,7 @@ def judge(wall: float, cpu: float) -> bool:
     _STALLS.serial_until = _now() + _STALLS.hold
     _STALLS.hold = min(2 * _STALLS.hold, HOLD_MAX_S)
     if _CALL.count:  # the rest of this call on one thread too (its entry point restores it)
-        _CALL.runtime.omp_set_num_threads(1)
-        if _CALL.mkl_local is None:
-            _CALL.mkl_local = _set_mkl_local(1)
+        _CALL.to_one_thread()
     return True
 
 
@@ -283,28 +281,21 @@ def one_thread_calls(function: Callable[..., T]) -> Callable[..., T]:
         count = torch.get_num_threads()
         if runtime is None or count == 1:
             return function(*args, **kwargs)
-        _CALL.count, _CALL.runtime, _CALL.mkl_local = count, runtime, None
+        _CALL.count, _CALL.runtime = count, runtime
         if serial_passes(source.device, source.numel()):
-            runtime.omp_set_num_threads(1)
-            mkl_local = _set_mkl_local(1)
+            _CALL.to_one_thread()
             try:
                 return function(*args, **kwargs)
             finally:
-                _CALL.count = 0
-                runtime.omp_set_num_threads(count)
-                _set_mkl_local(mkl_local)
+                _CALL.put_back()
         wall, cpu = time.perf_counter(), time.thread_time()  # a threaded call is watched
         try:
             return function(*args, **kwargs)
         finally:
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-            _CALL.count = 0
-            if torch.get_num_threads() != count:  # a pass stalled: the rest ran on one thread
-                runtime.omp_set_num_threads(count)
-                if _CALL.mkl_local is not None:
-                    _set_mkl_local(_CALL.mkl_local)
-                    _CALL.mkl_local = None
-            elif wall >= WATCH_FROM_S and _auto_mode():
+            stalled = _CALL.mkl_local is not None  # a pass stalled: the rest ran on one thread
+            _CALL.put_back()
+            if not stalled and wall >= WATCH_FROM_S and _auto_mode():
                 judge(wall, cpu)  # the whole call, as a pass's region is judged
 
     return call
@@ -317,7 +308,21 @@ class _Call(threading.local):
 
     count = 0
     runtime: Any = None
-    mkl_local: int | None = None  # MKL's own count for this thread, set aside mid-call
+    mkl_local: int | None = None  # MKL's own count for this thread while set aside, else None
+
+    def to_one_thread(self) -> None:
+        """The rest of the call on this thread alone: OpenMP's count 1, and MKL's."""
+        self.runtime.omp_set_num_threads(1)
+        if self.mkl_local is None:
+            self.mkl_local = _set_mkl_local(1)
+
+    def put_back(self) -> None:
+        """The call ends: the counts it found, where it changed them."""
+        if self.mkl_local is not None:
+            self.runtime.omp_set_num_threads(self.count)
+            _set_mkl_local(self.mkl_local)
+            self.mkl_local = None
+        self.count = 0
 
 
 _CALL = _Call()

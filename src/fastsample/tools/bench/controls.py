@@ -200,6 +200,9 @@ ALWAYS = ("read_pass", *PEERS, "llama.cpp", "llama.cpp+pen")
 STEP_SETTING = "T=0.7 k=50 p=0.9"
 """The setting whose rows include the engine step (``fs.step*``)."""
 
+PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.1}
+"""The step rows' penalties (every row), and llama.cpp's chain's beside them."""
+
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 128
 """Tokens a row of the step rows' TokenStats has seen (prompt, output)."""
 
@@ -231,18 +234,14 @@ def step_calls(
         seen[:, :PROMPT_TOKENS].to(device), vocab, outputs=seen[:, PROMPT_TOKENS:].to(device)
     )
     penalties = {
-        name: torch.full((batch,), value, device=device)
-        for name, value in (
-            ("repetition_penalty", 1.1), ("frequency_penalty", 0.2), ("presence_penalty", 0.1)
-        )
-    }  # fmt: skip
+        name: torch.full((batch,), value, device=device) for name, value in PENALTIES.items()
+    }
     plain = StepParams(batch, vocab, device=device, **seeded)
     calls: dict[str, Call] = {"fs.step": lambda: sample_step(nxt(), params=plain, step=step)}
     penalized = StepParams(batch, vocab, device=device, **seeded, **penalties)
     calls["fs.step+pen"] = lambda: sample_step(nxt(), params=penalized, state=stats, step=step)
     if device.type == "cpu":
-        values = {name: float(row[0]) for name, row in penalties.items()}
-        chain = chain_call(nxt, vocab, controls_chain(controls, values), seen[0].tolist())
+        chain = chain_call(nxt, vocab, controls_chain(controls, PENALTIES), seen[0].tolist())
         if chain is not None:
             calls["llama.cpp+pen"] = chain
     for label, mode in (("fs.step+pen+lp", "processed"), ("fs.step+pen+lp.raw", "raw")):

@@ -224,10 +224,11 @@ def measure_step(setting: str, batch: int, vocab: int, timing: Timing,
 
 def print_step_header(cold: bool = False) -> None:
     header = (f"{'setting':<32} {'B':>3} {'vLLM ms':>9} {'plugin ms':>10} {'step ms':>9} "
-              f"{'vLLM/plugin':>12} {'plugin own ms':>14} {'plan ms':>8}  target")  # fmt: skip
+              f"{'vLLM/plugin':>12} {'plugin own ms':>14} {'plan ms':>8}  "
+              f"{'target':<{_TARGET_WIDTH}}")  # fmt: skip
     if cold:
-        header = (f"{header:<{_TARGET_END}}  {'cold: vLLM ms':>13} {'plugin ms':>10} "
-                  f"{'vLLM/plugin':>12}")  # fmt: skip
+        header += f"  {'cold: vLLM ms':>13} {'plugin ms':>10} {'vLLM/plugin':>12}"
+    header = header.rstrip()
     print(header)
     print("-" * len(header))
     print("(each timed call follows an untimed call of its own; step ms: fastsample.sample_step "
@@ -249,15 +250,14 @@ def print_steps(results: list[StepResult]) -> None:
 
         line = (f"{r.setting:<32} {r.batch:>3} {f(r.vllm_ms):>9} {f(r.plugin_ms):>10} "
                 f"{f(r.sample_step_ms):>9} {'-' if r.ratio is None else f'{r.ratio:.1f}x':>12} "
-                f"{f(own):>14} {f(r.plan_ms):>8}  {target}")  # fmt: skip
+                f"{f(own):>14} {f(r.plan_ms):>8}  {target:<{_TARGET_WIDTH}}")  # fmt: skip
         if r.cold_ratio is not None:
-            line = (f"{line:<{_TARGET_END}}  {f(r.vllm_cold_ms):>13} {f(r.plugin_cold_ms):>10} "
-                    f"{f'{r.cold_ratio:.1f}x':>12}")  # fmt: skip
-        print(line, flush=True)
+            line += (f"  {f(r.vllm_cold_ms):>13} {f(r.plugin_cold_ms):>10} "
+                     f"{f'{r.cold_ratio:.1f}x':>12}")  # fmt: skip
+        print(line.rstrip(), flush=True)
 
 
-# Where the cold columns start: after the widest target cell (">= 80x: MISSED").
-_TARGET_END = 32 + 1 + 3 + 1 + 9 + 1 + 10 + 1 + 9 + 1 + 12 + 1 + 14 + 1 + 8 + 2 + 14
+_TARGET_WIDTH = len(">= 80x: MISSED")  # the widest target cell, so the cold columns align
 
 
 # ---------------------------------------------------------------------------- end to end

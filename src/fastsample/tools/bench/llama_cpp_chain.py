@@ -98,5 +98,4 @@ def chain_call(
             drawn.append(int(cells["id"][array.selected]))  # the samplers reorder the array
         return drawn
 
-    call.chain = chain  # type: ignore[attr-defined]  # kept alive with the call
     return call

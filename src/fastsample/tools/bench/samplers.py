@@ -106,7 +106,7 @@ def _hf_calls(logits: list[Tensor], batch: int, vocab: int) -> dict[str, Callabl
     return calls
 
 
-def _llama_cpp_call(logits: list[Tensor], batch: int, vocab: int) -> dict[str, Callable]:
+def _llama_cpp_call(logits: list[Tensor], vocab: int) -> dict[str, Callable]:
     """llama.cpp's chain with every stage (module docstring), where ``llama_cpp`` installs."""
 
     def samplers(lc: Any, vocab: int) -> list:
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         fresh = max(1, args.fresh or 4)
         logits = [torch.randn(batch, vocab, generator=gen) * LOGIT_SCALE for _ in range(fresh)]
         calls = _fastsample_calls(logits, batch, vocab)
-        calls |= _llama_cpp_call(logits, batch, vocab)
+        calls |= _llama_cpp_call(logits, vocab)
         times = time_interleaved(calls, device, timing)
         # transformers' warpers sort the vocabulary (hundreds of MB a call at B=64): in the
         # same rounds the call after them would find its logits evicted, so their own rounds.
